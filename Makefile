@@ -1,0 +1,30 @@
+# Two entry points for a new user: `make demo` and `make test`.
+# Each creates .venv when missing and installs what it needs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test bench install-test install-demo clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+install-test: $(PY)
+	$(PY) -m pip install --quiet -e ".[test]"
+
+install-demo: $(PY)
+	$(PY) -m pip install --quiet -e ".[demo]"
+
+demo: install-demo
+	$(PY) examples/demo.py
+
+test: install-test
+	$(PY) -m pytest -q
+
+bench: $(PY)
+	$(PY) -m pip install --quiet -e ".[bench]"
+	$(PY) benchmarks/run.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

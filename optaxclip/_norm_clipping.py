@@ -1,0 +1,338 @@
+"""Clipping by norm: per leaf, global, and PyTorch's ``clip_grad_norm_``.
+
+Every leaf is multiplied by one scalar factor ``s``. With ``eps == 0``
+(Optax/TensorFlow) ``s = max_norm / norm`` when ``norm > max_norm``, else 1;
+with ``eps > 0`` (PyTorch/MindSpore) ``s = min(1, max_norm / (norm + eps))``.
+Both are one formula, ``s = max_norm / (norm + eps)`` unless
+``norm + eps <= max_norm``, so ``eps`` may be injected and traced too.
+
+A multiply by a scalar, rather than a ``select`` between the gradient and a
+clipped copy, lets XLA fuse the factor into whatever reads the update next
+(inside ``optax.chain(clip, adamw)``: the optimizer's own pass).
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optaxclip import _nonfinite
+from optaxclip import _norms
+from optaxclip import _stats
+from optaxclip import _tree
+from optaxclip import _validation
+
+PyTree = Any
+
+PYTORCH_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ divides by norm + 1e-6
+
+
+class ClipState(NamedTuple):
+  """State of the norm-based clippers; every field is a scalar."""
+  norm: jax.Array  # float32: pre-clip norm of the last update (per-leaf
+  #                  clippers: the largest leaf norm)
+  scale: jax.Array  # float32: factor applied last step (per leaf: smallest)
+  count: jax.Array  # int32: steps seen
+  clipped_count: jax.Array  # int32: steps with a finite norm and scale < 1
+  nonfinite_count: jax.Array  # int32: steps whose norm was NaN or Inf
+
+
+def _summarize(state: ClipState) -> dict[str, jax.Array]:
+  rate = state.clipped_count / jnp.maximum(state.count, 1)
+  return {**state._asdict(), "clip_rate": rate.astype(jnp.float32)}
+
+
+_stats.register(ClipState, "clip", _summarize)
+
+
+def init_clip_state() -> ClipState:
+  zero = jnp.zeros([], jnp.int32)
+  return ClipState(norm=jnp.zeros([], jnp.float32),
+                   scale=jnp.ones([], jnp.float32),
+                   count=zero, clipped_count=zero, nonfinite_count=zero)
+
+
+def clip_factor(norm: jax.Array, max_norm: Any, eps: Any) -> jax.Array:
+  """The factor that brings ``norm`` down to ``max_norm`` (1 when below).
+
+  A NaN norm gives a NaN factor and an infinite norm gives 0, as in the
+  reference libraries; the division only ever sees a positive denominator,
+  so gradients through the factor stay finite at zero norm.
+  """
+  denominator = norm + jnp.asarray(eps, norm.dtype)
+  max_norm = jnp.asarray(max_norm, norm.dtype)
+  unclipped = denominator <= max_norm  # False for NaN: NaN propagates
+  safe = jnp.where(unclipped, 1, denominator)
+  return jnp.where(unclipped, 1, max_norm / safe)
+
+
+def _scale_leaf(x: jax.Array, factor: jax.Array) -> jax.Array:
+  # Half-precision leaves are scaled in float32 and rounded once.
+  return (x * factor).astype(x.dtype)
+
+
+def scale_leaves(tree: PyTree, factors: jax.Array) -> PyTree:
+  """Multiplies the clippable leaves by one factor (scalar) or one each."""
+  leaves, treedef = jax.tree.flatten(tree)
+  out, index = [], 0
+  for x in leaves:
+    if _tree.is_clippable(x):
+      out.append(_scale_leaf(x, factors if factors.ndim == 0 else factors[index]))
+      index += 1
+    else:
+      out.append(x)
+  return treedef.unflatten(out)
+
+
+def _check_common(fn: str, max_norm: Any, ord: Any, eps: Any,
+                  ord_name: str = "ord") -> Any:
+  _validation.check_nonnegative(fn, "max_norm", max_norm)
+  _validation.check_nonnegative(fn, "eps", eps)
+  return _validation.check_ord(fn, ord, ord_name)
+
+
+def _clip(fn: str, tree: PyTree, max_norm, p, eps, axis_name, specs, *,
+          per_leaf: bool) -> tuple[PyTree, jax.Array, jax.Array]:
+  """Clipped tree, norm(s) and factor(s), per leaf or global."""
+  reduction = _norms.make_reduction(fn, tree, axis_name, specs)
+  leaves = _tree.clippable_leaves(tree)
+  if per_leaf:
+    norms = _norms.leaf_norms(leaves, p, reduction)
+  else:
+    norms = _norms.norm_of_leaves(leaves, p, reduction)
+  factors = clip_factor(norms, max_norm, eps)
+  return scale_leaves(tree, factors), norms, factors
+
+
+def clip_by_norm_fn(tree: PyTree, max_norm: Any, *, ord: Any = 2,
+                    eps: Any = 0.0, axis_name: Any = None,
+                    specs: PyTree = None) -> PyTree:
+  """Clips every leaf of ``tree`` by its own ``ord``-norm.
+
+  Each floating leaf ``x`` becomes ``x * s`` with ``s`` computed from
+  ``norm(x)`` as in the module docstring (TensorFlow's ``tf.clip_by_norm`` with
+  ``eps=0``, MindSpore's ``ops.clip_by_norm`` with ``eps=1e-6``).
+
+  Args:
+    tree: a pytree of arrays.
+    max_norm: the largest norm a leaf may keep (a number >= 0).
+    ord: the norm order: any number ``p > 0`` or ``inf``.
+    eps: added to the norm before dividing (0: exact threshold).
+    axis_name: under ``shard_map``/``pmap``, the axis name(s) leaves are split
+      over; see ``global_norm``.
+    specs: with ``axis_name``, the leaves' ``PartitionSpec`` (tree prefix).
+
+  Returns:
+    The clipped tree, with each leaf's dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optaxclip as oc
+    >>> oc.functional.clip_by_norm([jnp.array([3.0, 4.0]), jnp.array([0.3, 0.4])], 1.0)
+    [Array([0.6, 0.8], dtype=float32), Array([0.3, 0.4], dtype=float32)]
+  """
+  p = _check_common("clip_by_norm", max_norm, ord, eps)
+  clipped, _, _ = _clip("clip_by_norm", tree, max_norm, p, eps, axis_name,
+                        specs, per_leaf=True)
+  return clipped
+
+
+def clip_by_global_norm_fn(tree: PyTree, max_norm: Any, *, ord: Any = 2,
+                           eps: Any = 0.0, axis_name: Any = None,
+                           specs: PyTree = None) -> tuple[PyTree, jax.Array]:
+  """Scales ``tree`` so that its global ``ord``-norm is at most ``max_norm``.
+
+  All floating leaves are multiplied by one factor ``s`` computed from the
+  norm of the whole tree (see ``global_norm``): ``eps=0`` gives Optax's and
+  TensorFlow's ``clip_by_global_norm``, ``eps=1e-6`` PyTorch's
+  ``clip_grad_norm_``.
+
+  Args:
+    tree: a pytree of arrays.
+    max_norm: the largest global norm (a number >= 0).
+    ord: the norm order: any number ``p > 0`` or ``inf``.
+    eps: added to the norm before dividing (0: exact threshold).
+    axis_name: under ``shard_map``/``pmap``, the axis name(s) leaves are split
+      over; the norm is then global across devices (one all-reduce).
+    specs: with ``axis_name``, the leaves' ``PartitionSpec`` (tree prefix):
+      leaves replicated on an axis are counted once.
+
+  Returns:
+    ``(clipped_tree, norm)``: the tree with each leaf's dtype, and the pre-clip
+    norm (float32, or float64 for float64 trees under x64).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optaxclip as oc
+    >>> grads = [jnp.array([3.0, 4.0]), jnp.array([1.0, 2.0])]
+    >>> clipped, norm = oc.functional.clip_by_global_norm(grads, 5.0)
+    >>> norm
+    Array(5.477226, dtype=float32)
+    >>> clipped
+    [Array([2.7386127, 3.6514835], dtype=float32), Array([0.9128709, 1.8257419], dtype=float32)]
+  """
+  p = _check_common("clip_by_global_norm", max_norm, ord, eps)
+  clipped, norm, _ = _clip("clip_by_global_norm", tree, max_norm, p, eps,
+                           axis_name, specs, per_leaf=False)
+  return clipped, norm
+
+
+def _norm_clipper(fn: str, max_norm, p, eps, axis_name, specs, nonfinite, *,
+                  per_leaf: bool) -> optax.GradientTransformation:
+  _validation.check_choice(fn, "nonfinite", nonfinite, _nonfinite.MODES)
+  _validation.check_axis_name(fn, axis_name)
+
+  def init_fn(params):
+    del params
+    return init_clip_state()
+
+  def update_fn(updates, state, params=None):
+    del params
+    clipped, norms, factors = _clip(fn, updates, max_norm, p, eps, axis_name,
+                                    specs, per_leaf=per_leaf)
+    # Per-leaf clippers log their worst leaf: the largest norm (NaN if any).
+    norm = jnp.max(norms, initial=0) if per_leaf else norms
+    factor = jnp.min(factors, initial=1) if per_leaf else factors
+    finite = jnp.isfinite(norm)
+    if nonfinite == "raise":
+      _nonfinite.raise_if_nonfinite(fn, updates, norm)
+    elif nonfinite == "zero":
+      clipped = _nonfinite.zero_if_nonfinite(clipped, finite)
+      factor = jnp.where(finite, factor, 0)
+    increment = optax.safe_int32_increment
+    new_state = ClipState(
+        norm=norm.astype(jnp.float32),
+        scale=factor.astype(jnp.float32),
+        count=increment(state.count),
+        clipped_count=jnp.where(finite & (factor < 1),
+                                increment(state.clipped_count),
+                                state.clipped_count),
+        nonfinite_count=jnp.where(finite, state.nonfinite_count,
+                                  increment(state.nonfinite_count)))
+    return clipped, new_state
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def clip_by_norm(max_norm: Any, *, ord: Any = 2, eps: Any = 0.0,
+                 axis_name: Any = None, specs: PyTree = None,
+                 nonfinite: str = "propagate") -> optax.GradientTransformation:
+  """Clips every leaf of the updates by its own norm.
+
+  The transform form of ``optaxclip.functional.clip_by_norm``. Its state
+  (``ClipState``) logs the largest leaf norm and the smallest factor.
+
+  Args:
+    max_norm: the largest norm a leaf may keep (a number >= 0).
+    ord: the norm order: any number ``p > 0`` or ``inf``.
+    eps: added to each norm before dividing (0: exact threshold).
+    axis_name: under ``shard_map``/``pmap``, the axis name(s) leaves are split
+      over.
+    specs: with ``axis_name``, the leaves' ``PartitionSpec`` (tree prefix).
+    nonfinite: ``"propagate"``, ``"zero"`` or ``"raise"``: what to do when a
+      norm is NaN or Inf.
+
+  Returns:
+    An ``optax.GradientTransformation``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optaxclip as oc
+    >>> tx = oc.clip_by_norm(1.0)
+    >>> updates, state = tx.update([jnp.array([3.0, 4.0])], tx.init(None))
+    >>> updates, state.norm
+    ([Array([0.6, 0.8], dtype=float32)], Array(5., dtype=float32))
+  """
+  p = _check_common("clip_by_norm", max_norm, ord, eps)
+  return _norm_clipper("clip_by_norm", max_norm, p, eps, axis_name, specs,
+                       nonfinite, per_leaf=True)
+
+
+def clip_by_global_norm(max_norm: Any, *, ord: Any = 2, eps: Any = 0.0,
+                        axis_name: Any = None, specs: PyTree = None,
+                        nonfinite: str = "propagate"
+                        ) -> optax.GradientTransformation:
+  """Scales the updates so that their global norm is at most ``max_norm``.
+
+  A drop-in for ``optax.clip_by_global_norm`` (same numbers with the
+  defaults) whose state keeps the pre-clip norm for logging (read it with
+  ``optaxclip.stats``), and which stays finite for finite gradients of any
+  magnitude and dtype.
+
+  Args:
+    max_norm: the largest global norm (a number >= 0).
+    ord: the norm order: any number ``p > 0`` or ``inf``.
+    eps: added to the norm before dividing: 0 (Optax, TensorFlow) clips
+      exactly at ``max_norm``; 1e-6 is PyTorch's ``clip_grad_norm_``.
+    axis_name: under ``shard_map``/``pmap``, the axis name(s) the updates are
+      split over: the norm is global across devices, with one all-reduce.
+    specs: with ``axis_name``, the updates' ``PartitionSpec`` (tree prefix,
+      as in ``shard_map``'s ``in_specs``): replicated leaves count once.
+    nonfinite: what to do when the norm is NaN or Inf: ``"propagate"`` (as
+      Optax/PyTorch/TensorFlow: the update carries the NaN), ``"zero"`` (the
+      update becomes zeros) or ``"raise"`` (an error naming the leaves that
+      hold NaN/Inf, eagerly and under ``jit``). Steps are counted in the
+      state's ``nonfinite_count`` in every mode.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is a ``ClipState``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import optaxclip as oc
+    >>> tx = optax.chain(oc.clip_by_global_norm(1.0), optax.sgd(1.0))
+    >>> params = {"w": jnp.array([3.0, 4.0])}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(params, state, params)
+    >>> updates["w"]
+    Array([-0.6, -0.8], dtype=float32)
+    >>> oc.stats(state)["clip/norm"]
+    Array(5., dtype=float32)
+  """
+  p = _check_common("clip_by_global_norm", max_norm, ord, eps)
+  return _norm_clipper("clip_by_global_norm", max_norm, p, eps, axis_name,
+                       specs, nonfinite, per_leaf=False)
+
+
+def clip_grad_norm(max_norm: Any, norm_type: Any = 2.0, *,
+                   error_if_nonfinite: bool = False,
+                   axis_name: Any = None, specs: PyTree = None
+                   ) -> optax.GradientTransformation:
+  """PyTorch's ``torch.nn.utils.clip_grad_norm_`` as an Optax transform.
+
+  Same numbers as PyTorch: every gradient is multiplied by
+  ``min(1, max_norm / (total_norm + 1e-6))`` where ``total_norm`` is the
+  ``norm_type``-norm of all gradients together. The value PyTorch returns,
+  the total norm, is kept in the state (``optaxclip.stats(state)``).
+
+  Args:
+    max_norm: the largest total norm (a number >= 0).
+    norm_type: the norm order: any number ``p > 0``, ``inf`` or ``"inf"``.
+    error_if_nonfinite: raise when the total norm is NaN or Inf (PyTorch's
+      flag), naming the leaves that hold them; otherwise they propagate.
+    axis_name: under ``shard_map``/``pmap``, as in ``clip_by_global_norm``.
+    specs: with ``axis_name``, as in ``clip_by_global_norm``.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is a ``ClipState``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optaxclip as oc
+    >>> grads = [jnp.array([[-0.1, -0.25, -0.1], [0.1, 0.25, 0.1]]), jnp.array([-0.5, 0.5])]
+    >>> tx = oc.clip_grad_norm(0.5)
+    >>> clipped, state = tx.update(grads, tx.init(grads))
+    >>> clipped[1]
+    Array([-0.3065693,  0.3065693], dtype=float32)
+  """
+  fn = "clip_grad_norm"
+  if not isinstance(error_if_nonfinite, (bool, jnp.bool_)):
+    raise TypeError(f"`{fn}(error_if_nonfinite=...)` must be a bool, got "
+                    f"{error_if_nonfinite!r}")
+  p = _check_common(fn, max_norm, norm_type, PYTORCH_EPS, "norm_type")
+  nonfinite = "raise" if error_if_nonfinite else "propagate"
+  return _norm_clipper(fn, max_norm, p, PYTORCH_EPS, axis_name, specs,
+                       nonfinite, per_leaf=False)
+

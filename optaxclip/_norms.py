@@ -1,0 +1,327 @@
+"""The one norm implementation every clipper uses.
+
+``p``-norms are ``(sum |x|**p) ** (1/p)`` of absolute values, and ``inf`` is
+``max |x|``; complex leaves use ``|x|``. Each leaf is reduced to one partial
+value (its power sum, or its max) in float32 at least, whatever its dtype:
+squares of fp16 overflow above 256 and bf16 squares would keep 8 bits. The
+partials of all leaves travel together, so a distributed norm costs one
+all-reduce of a small vector per step.
+
+The plain power sum overflows float32 for |x| above ~1.8e19 (squares) and
+loses everything below ~1e-19 (squares flush to zero). Only then, decided at
+run time by ``lax.cond``, a second pass rescales by the largest |x| first:
+``norm = m * (sum (|x|/m)**p) ** (1/p)``. Finite input therefore gives the
+right finite norm, and ordinary input pays nothing for the safety net.
+"""
+
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from optaxclip import _tree
+from optaxclip import _validation
+
+PyTree = Any
+
+
+class Reduction:
+  """Combines per-leaf partials across the devices of ``axis_names``.
+
+  Under ``shard_map``/``pmap`` each device holds a shard of every split leaf,
+  so partial sums are added over the named axes. A leaf that ``specs`` marks
+  as replicated on some axis holds the same values on each device of that
+  axis: only the device at index 0 of such an axis contributes, so the leaf
+  is counted once. All leaves then share one ``psum``: one all-reduce.
+  """
+
+  def __init__(self, axis_names: tuple[Any, ...],
+               replicated_axes: Sequence[tuple[Any, ...]] | None = None):
+    self.axis_names = axis_names
+    self.replicated_axes = replicated_axes  # per leaf; None: all leaves split
+
+  def sum(self, partials: jax.Array) -> jax.Array:
+    if not self.axis_names:
+      return partials
+    if self.replicated_axes is not None:
+      partials = partials * self._first_copy_mask(partials.dtype)
+    return lax.psum(partials, self.axis_names)
+
+  def max(self, partials: jax.Array) -> jax.Array:
+    # Replicated leaves need no mask: max ignores repeated values.
+    return lax.pmax(partials, self.axis_names) if self.axis_names else partials
+
+  def device_count(self) -> int:
+    return lax.psum(1, self.axis_names) if self.axis_names else 1
+
+  def _first_copy_mask(self, dtype) -> jax.Array:
+    masks = []
+    for axes in self.replicated_axes:
+      is_first = jnp.bool_(True)
+      for axis in axes:
+        is_first = is_first & (lax.axis_index(axis) == 0)
+      masks.append(is_first)
+    return jnp.stack(masks).astype(dtype)
+
+
+LOCAL = Reduction(())
+
+
+def _spec_axes(spec: Any) -> set[Any]:
+  """The mesh axes a PartitionSpec splits an array over."""
+  axes = set()
+  for entry in (spec or ()):
+    if entry is None:
+      continue
+    axes.update(entry if isinstance(entry, tuple) else (entry,))
+  return axes
+
+
+def _is_spec(x: Any) -> bool:
+  return x is None or isinstance(x, jax.sharding.PartitionSpec)
+
+
+def make_reduction(fn: str, tree: PyTree, axis_name: Any,
+                   specs: PyTree) -> Reduction:
+  """The reduction for ``tree``'s clippable leaves given the user's options."""
+  axis_names = _validation.check_axis_name(fn, axis_name)
+  if specs is None:
+    return Reduction(axis_names)
+  if not axis_names:
+    raise ValueError(
+        f"`{fn}(specs=...)` needs `axis_name`: specs say how leaves are split "
+        f"over the named axes of shard_map/pmap")
+  try:
+    leaf_specs = jax.tree.map(
+        lambda spec, subtree: jax.tree.map(lambda _: spec, subtree),
+        specs, tree, is_leaf=_is_spec)
+  except (ValueError, TypeError) as error:
+    raise ValueError(
+        f"`{fn}(specs=...)` must be a PartitionSpec or a tree prefix of the "
+        f"gradients with PartitionSpec leaves (as shard_map's in_specs); "
+        f"it does not match the gradient tree: {error}") from None
+  spec_leaves = jax.tree.leaves(leaf_specs, is_leaf=_is_spec)
+  grad_leaves = jax.tree.leaves(tree)
+  replicated = [tuple(a for a in axis_names if a not in _spec_axes(spec))
+                for spec, leaf in zip(spec_leaves, grad_leaves)
+                if _tree.is_clippable(leaf)]
+  return Reduction(axis_names, replicated)
+
+
+def _is_order(p: Any, value: float) -> bool:
+  """Whether the norm order is statically ``value`` (a traced order never is)."""
+  return not isinstance(p, jax.Array) and p == value
+
+
+def _integer_power(p: Any) -> int | None:
+  if isinstance(p, jax.Array) or not float(p).is_integer() or p > 64:
+    return None
+  return int(p)
+
+
+def _abs(x: jax.Array, acc: jnp.dtype) -> jax.Array:
+  # |x| of a complex leaf in its own precision avoids a complex upcast.
+  return jnp.abs(x).astype(acc) if jnp.iscomplexobj(x) else jnp.abs(x.astype(acc))
+
+
+def _pow(a: jax.Array, p: float) -> jax.Array:
+  """``a ** p`` for ``a >= 0`` with a finite gradient at 0 for p < 1."""
+  k = _integer_power(p)
+  if k is not None:
+    return lax.integer_pow(a, k)  # exact-ish multiplies, no exp/log
+  if not isinstance(p, jax.Array) and p > 1:
+    return a ** p
+  positive = a > 0
+  return jnp.where(positive, jnp.where(positive, a, 1) ** p, 0)
+
+
+def _root(s: jax.Array, p: float) -> jax.Array:
+  """``s ** (1/p)`` for ``s >= 0`` (NaN stays NaN), finite gradient at 0."""
+  if _is_order(p, 1):
+    return s
+  positive = s > 0
+  safe = jnp.where(positive, s, 1)
+  root = jnp.sqrt(safe) if _is_order(p, 2) else safe ** (1 / p)
+  return jnp.where(positive, root, s)  # s itself for 0 and NaN
+
+
+def _power_sum(x: jax.Array, p: float, acc: jnp.dtype) -> jax.Array:
+  if _is_order(p, math.inf):
+    return jnp.max(_abs(x, acc), initial=0)
+  if _is_order(p, 2) and not jnp.iscomplexobj(x):
+    y = x.astype(acc)
+    return jnp.sum(y * y)
+  if _is_order(p, 2):
+    re, im = jnp.real(x).astype(acc), jnp.imag(x).astype(acc)
+    return jnp.sum(re * re + im * im)
+  return jnp.sum(_pow(_abs(x, acc), p))
+
+
+def _power_sums(leaves, p, acc, reduction: Reduction) -> jax.Array:
+  partials = jnp.stack([_power_sum(x, p, acc) for x in leaves])
+  if _is_order(p, math.inf):
+    return reduction.max(partials)
+  return reduction.sum(partials)
+
+
+def _rescaled_sums(leaves, p, acc, reduction, *, shared: bool):
+  """Power sums of ``|x| / m`` with ``m`` the largest |x| (per leaf or shared).
+
+  Returns ``(m, usable, sums)``; where ``m`` is 0 or not finite (all zeros,
+  Inf, NaN) it is replaced by 1 and ``usable`` is False.
+  """
+  maxima = _power_sums(leaves, math.inf, acc, reduction)
+  if shared:
+    maxima = jnp.broadcast_to(jnp.max(maxima), maxima.shape)
+  usable = jnp.isfinite(maxima) & (maxima > 0)
+  scales = jnp.where(usable, maxima, 1)
+  partials = jnp.stack([jnp.sum(_pow(_abs(x, acc) / scales[i], p))
+                        for i, x in enumerate(leaves)])
+  return scales, usable, reduction.sum(partials)
+
+
+def _precision_floor(leaves, acc, reduction: Reduction) -> jax.Array:
+  """Power sums below this may have lost terms to underflow.
+
+  Each flushed term loses at most ``tiny``; with ``n`` terms a sum above
+  ``n * tiny / eps`` is still accurate to float precision.
+  """
+  info = jnp.finfo(acc)
+  count = sum(x.size for x in leaves) * reduction.device_count()
+  return jnp.asarray(float(info.tiny) / float(info.eps), acc) * count
+
+
+def _needs_rescaling(sums, floor) -> jax.Array:
+  # Not `sums < inf` covers Inf and NaN; the safe pass then propagates them.
+  return jnp.any(~(sums < jnp.inf) | (sums < floor))
+
+
+def _switch_on_order(norm_fn, p: jax.Array) -> jax.Array:
+  """Runs ``norm_fn`` with a traced order (``optax.inject_hyperparams``).
+
+  The usual orders keep their fast, exact formulations; any other runs the
+  generic ``|x| ** p`` path. Only the selected branch runs.
+  """
+  branches = [lambda: norm_fn(2.0), lambda: norm_fn(1.0),
+              lambda: norm_fn(math.inf), lambda: norm_fn(p)]
+  index = jnp.select([p == 2, p == 1, p == jnp.inf], [0, 1, 2], 3)
+  return lax.switch(index, branches)
+
+
+def leaf_norms(leaves: list[jax.Array], p: Any,
+               reduction: Reduction = LOCAL) -> jax.Array:
+  """The ``p``-norm of each leaf, as a vector in the accumulation dtype."""
+  if isinstance(p, jax.Array):
+    return _switch_on_order(lambda q: _leaf_norms(leaves, q, reduction), p)
+  return _leaf_norms(leaves, p, reduction)
+
+
+def _leaf_norms(leaves, p, reduction):
+  acc = _tree.accumulation_dtype(leaves)
+  if not leaves:
+    return jnp.zeros([0], acc)
+  sums = _power_sums(leaves, p, acc, reduction)
+  if _is_order(p, math.inf):
+    return sums
+
+  def rescaled():
+    scales, usable, scaled = _rescaled_sums(leaves, p, acc, reduction,
+                                            shared=False)
+    return jnp.where(usable, scales * _root(scaled, p), _root(sums, p))
+
+  unsafe = _needs_rescaling(sums, _precision_floor(leaves, acc, reduction))
+  return lax.cond(unsafe, rescaled, lambda: _root(sums, p))
+
+
+def norm_of_leaves(leaves: list[jax.Array], p: Any,
+                   reduction: Reduction = LOCAL) -> jax.Array:
+  """The ``p``-norm of all ``leaves`` taken together, as a scalar."""
+  if isinstance(p, jax.Array):
+    return _switch_on_order(lambda q: _norm_of_leaves(leaves, q, reduction), p)
+  return _norm_of_leaves(leaves, p, reduction)
+
+
+def _norm_of_leaves(leaves, p, reduction):
+  acc = _tree.accumulation_dtype(leaves)
+  if not leaves:
+    return jnp.zeros([], acc)
+  sums = _power_sums(leaves, p, acc, reduction)
+  if _is_order(p, math.inf):
+    return jnp.max(sums)
+  total = jnp.sum(sums)
+
+  def rescaled():
+    scales, usable, scaled = _rescaled_sums(leaves, p, acc, reduction,
+                                            shared=True)
+    return jnp.where(usable[0], scales[0] * _root(jnp.sum(scaled), p),
+                     _root(total, p))
+
+  unsafe = _needs_rescaling(total, _precision_floor(leaves, acc, reduction))
+  return lax.cond(unsafe, rescaled, lambda: _root(total, p))
+
+
+def global_norm(tree: PyTree, ord: float | str = 2, *, axis_name: Any = None,
+                specs: PyTree = None) -> jax.Array:
+  """The ``ord``-norm of all floating leaves of ``tree`` taken together.
+
+  Integer, boolean, ``None`` and ``optax.MaskedNode`` leaves are left out.
+  The result is float32 (float64 when x64 is on and a leaf is float64),
+  computed from float32 partial sums whatever the leaf dtype, and correct for
+  finite leaves of any magnitude (no overflow to ``inf``, no underflow to 0).
+
+  Args:
+    tree: a pytree of arrays (for instance gradients).
+    ord: the norm order: any number ``p > 0`` or ``inf`` (``"inf"`` too).
+    axis_name: under ``shard_map``/``pmap``, the mesh axis name (or tuple of
+      names) the leaves are split over; the norm is then that of the whole,
+      unsplit tree, computed with one all-reduce.
+    specs: with ``axis_name``, the ``PartitionSpec`` of each leaf (a tree
+      prefix, as given to ``shard_map``'s ``in_specs``). Leaves replicated on
+      an axis are counted once. ``None`` treats every leaf as split.
+
+  Returns:
+    A scalar array: the norm.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optaxclip as oc
+    >>> grads = {"w": jnp.array([3.0, 4.0]), "b": jnp.array([1.0, 2.0])}
+    >>> oc.functional.global_norm(grads)
+    Array(5.477226, dtype=float32)
+    >>> oc.functional.global_norm(grads, ord="inf")
+    Array(4., dtype=float32)
+    >>> oc.functional.global_norm([jnp.full(10, 1e20)])  # no overflow
+    Array(3.1622778e+20, dtype=float32)
+  """
+  p = _validation.check_ord("global_norm", ord)
+  reduction = make_reduction("global_norm", tree, axis_name, specs)
+  return norm_of_leaves(_tree.clippable_leaves(tree), p, reduction)
+
+
+def all_finite(tree: PyTree, *, axis_name: Any = None) -> jax.Array:
+  """Whether every floating leaf of ``tree`` is free of NaN and Inf.
+
+  Args:
+    tree: a pytree of arrays.
+    axis_name: under ``shard_map``/``pmap``, the axis name(s) to agree over:
+      the answer is then the same on every device.
+
+  Returns:
+    A boolean scalar array (True for an empty tree).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optaxclip as oc
+    >>> oc.functional.all_finite({"a": jnp.ones(3), "b": jnp.array([jnp.nan])})
+    Array(False, dtype=bool)
+  """
+  axis_names = _validation.check_axis_name("all_finite", axis_name)
+  leaves = _tree.clippable_leaves(tree)
+  if not leaves:
+    return jnp.bool_(True)
+  local = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+  if not axis_names:
+    return local
+  return lax.pmin(local.astype(jnp.int32), axis_names).astype(jnp.bool_)

@@ -1,0 +1,77 @@
+"""``stats``: every optaxclip statistic in an optimizer state, flat for a logger.
+
+Each optaxclip state class registers a short name (``"clip"`` for
+``ClipState``) and how to summarise it. ``stats`` walks any optax state
+(``chain``, ``named_chain``, ``masked``, ``partition``, ``MultiSteps``,
+``inject_hyperparams``, ...) and names each statistic
+``[<dict keys on the way>/]<name>[_<k>]/<field>``: the dictionary keys that
+lead to the state (``named_chain`` and ``partition`` labels) come first, and
+the ``k``-th repeat of the same name (counting from 1) gets a suffix.
+"""
+
+from typing import Any, Callable
+
+import jax
+
+Summary = Callable[[Any], dict[str, jax.Array]]
+_REGISTRY: dict[type, tuple[str, Summary]] = {}
+
+
+def register(state_type: type, name: str, summary: Summary | None = None) -> None:
+  """Makes ``stats`` report states of ``state_type`` under ``name``.
+
+  ``summary`` maps a state to its statistics; by default every field.
+  """
+  _REGISTRY[state_type] = (name, summary or (lambda state: state._asdict()))
+
+
+def _is_registered(x: Any) -> bool:
+  return type(x) in _REGISTRY
+
+
+def _dict_keys(path: tuple[Any, ...]) -> list[str]:
+  return [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
+
+
+def stats(opt_state: Any) -> dict[str, jax.Array]:
+  """Every optaxclip statistic in ``opt_state``, as flat scalar entries.
+
+  Works on any (chained, nested, wrapped) optax state, eagerly or under
+  ``jit``; the keys depend only on the optimizer's structure, so they are
+  the same every step.
+
+  Args:
+    opt_state: an optax optimizer state.
+
+  Returns:
+    A dict from names such as ``"clip/norm"`` to scalar arrays.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import optaxclip as oc
+    >>> tx = optax.chain(oc.clip_by_global_norm(1.0), optax.adam(1e-3))
+    >>> params = {"w": jnp.ones(4)}
+    >>> _, state = tx.update(params, tx.init(params), params)
+    >>> sorted(oc.stats(state))
+    ['clip/clip_rate', 'clip/clipped_count', 'clip/count', 'clip/nonfinite_count', 'clip/norm', 'clip/scale']
+    >>> oc.stats(state)["clip/norm"]
+    Array(2., dtype=float32)
+  """
+  found, _ = jax.tree_util.tree_flatten_with_path(opt_state,
+                                                  is_leaf=_is_registered)
+  result: dict[str, jax.Array] = {}
+  seen: dict[str, int] = {}
+  for path, node in found:
+    if not _is_registered(node):
+      continue
+    name, summary = _REGISTRY[type(node)]
+    prefix = "/".join(_dict_keys(path) + [name])
+    repeat = seen.get(prefix, 0)
+    seen[prefix] = repeat + 1
+    if repeat:
+      prefix = f"{prefix}_{repeat}"
+    for field, value in summary(node).items():
+      result[f"{prefix}/{field}"] = value
+  return result
+

@@ -1,0 +1,51 @@
+"""Which leaves of a gradient tree take part in clipping.
+
+A leaf takes part when it is a floating or complex array. ``None`` and
+``optax.MaskedNode`` are empty subtrees (JAX never shows them as leaves), and
+integer or boolean arrays (step counters, masks, token ids) pass through every
+transform untouched and are left out of every norm.
+"""
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+PyTree = Any
+
+
+def is_clippable(leaf: Any) -> bool:
+  """Whether ``leaf`` is a floating or complex array (or array-like spec)."""
+  dtype = getattr(leaf, "dtype", None)
+  if dtype is None:
+    return isinstance(leaf, (float, complex))
+  return jnp.issubdtype(dtype, jnp.inexact)
+
+
+def clippable_leaves(tree: PyTree) -> list[Any]:
+  """The floating and complex leaves of ``tree``, in tree order."""
+  return [leaf for leaf in jax.tree.leaves(tree) if is_clippable(leaf)]
+
+
+def clippable_leaves_with_paths(tree: PyTree) -> list[tuple[str, Any]]:
+  """``(keystr(path), leaf)`` for the floating and complex leaves of ``tree``."""
+  with_paths, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return [(jax.tree_util.keystr(path), leaf)
+          for path, leaf in with_paths if is_clippable(leaf)]
+
+
+def map_clippable(fn: Callable[[jax.Array], jax.Array], tree: PyTree) -> PyTree:
+  """Applies ``fn`` to the clippable leaves of ``tree``; others pass through."""
+  return jax.tree.map(lambda x: fn(x) if is_clippable(x) else x, tree)
+
+
+def accumulation_dtype(leaves: list[Any]) -> jnp.dtype:
+  """float32, or float64 when any leaf is (complex) float64.
+
+  Half-precision leaves are always upcast: their squares would overflow
+  (fp16 above 256) or lose precision (bf16 keeps 8 bits of mantissa).
+  """
+  if any(jnp.finfo(leaf.dtype).bits >= 64 for leaf in leaves):
+    # float32 again when x64 is off (numpy float64 leaves are cast down anyway).
+    return jax.dtypes.canonicalize_dtype(jnp.float64)
+  return jnp.dtype(jnp.float32)

@@ -1,0 +1,19 @@
+"""Pure functions over pytrees: the layer every optaxclip transform is built on.
+
+No state, no optax: usable under ``jit``, ``vmap`` (per-example clipping),
+``shard_map`` and ``pmap``, and outside any optimizer.
+"""
+
+from optaxclip._norm_clipping import clip_by_global_norm_fn as clip_by_global_norm
+from optaxclip._norm_clipping import clip_by_norm_fn as clip_by_norm
+from optaxclip._norms import all_finite as all_finite
+from optaxclip._norms import global_norm as global_norm
+from optaxclip._value import clip_by_value_fn as clip_by_value
+
+__all__ = [
+    "all_finite",
+    "clip_by_global_norm",
+    "clip_by_norm",
+    "clip_by_value",
+    "global_norm",
+]

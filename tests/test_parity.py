@@ -1,0 +1,454 @@
+"""Numerical parity of optaxclip with PyTorch, TensorFlow and Optax.
+
+Two kinds of checks:
+
+* golden: ``tests/golden/{torch,tensorflow,optax}.json`` hold inputs and
+  outputs produced by the real reference libraries (see
+  ``tests/golden/generate.py``).  These always run.
+* live: fresh random trees compared against the reference library imported in
+  the test.  The torch / tensorflow ones skip when the library is not
+  installed; optax is a dependency, so its live tests always run.
+
+Tolerance: ``rtol=1e-5`` and an absolute floor of ``1e-7`` scaled down to the
+magnitude of the expected tree (so trees whose values are all ~1e-6 are not
+compared with a floor that would swallow them).
+
+``python tests/test_parity.py`` runs this file and prints the maximum relative
+error observed per reference library.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import warnings
+from collections import defaultdict
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optaxclip as oc
+
+F = oc.functional
+
+GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
+RTOL = 1e-5
+ATOL = 1e-7
+TORCH_EPS = 1e-6  # the epsilon torch adds to the norm in clip_grad_norm_
+
+# Largest relative error seen per reference library (filled in by _check).
+MAX_REL_ERR: dict[str, float] = defaultdict(float)
+
+
+# --------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------
+
+
+def _load(lib: str) -> dict:
+    with open(GOLDEN_DIR / f"{lib}.json") as fh:
+        return json.load(fh)
+
+
+TORCH = _load("torch")
+TF = _load("tensorflow")
+OPTAX = _load("optax")
+
+
+def _norm_type(v) -> float:
+    return math.inf if v == "inf" else float(v)
+
+
+def _np_leaves(data: dict, tree: str) -> list[np.ndarray]:
+    return [np.asarray(x, np.float32) for x in data["trees"][tree]["leaves"]]
+
+
+def _expected(case: dict) -> list[np.ndarray]:
+    return [np.asarray(x, np.float32) for x in case["clipped"]]
+
+
+def _as_tree(leaves, kind: str = "list"):
+    """Leaves -> optaxclip input tree of jnp float32 arrays (list or dict)."""
+    arrs = [jnp.asarray(x, dtype=jnp.float32) for x in leaves]
+    if kind == "dict":
+        return {f"w{i}": a for i, a in enumerate(arrs)}
+    return arrs
+
+
+def _tree_leaves(tree) -> list[np.ndarray]:
+    if isinstance(tree, dict):
+        return [np.asarray(tree[f"w{i}"]) for i in range(len(tree))]
+    return [np.asarray(x) for x in tree]
+
+
+def _state_norm(state):
+    """Norm recorded by a clipping transform's state."""
+    stats = oc.stats(state)
+    norms = [v for k, v in stats.items() if k.endswith("/norm")]
+    if norms:
+        return norms[0]
+    return state.norm
+
+
+def _rel_err(got: np.ndarray, exp: np.ndarray, atol: float) -> float:
+    got = np.asarray(got, np.float64)
+    exp = np.asarray(exp, np.float64)
+    if exp.size == 0:
+        return 0.0
+    denom = np.maximum(np.abs(exp), max(atol / RTOL, float(np.finfo(np.float32).tiny)))
+    return float(np.max(np.abs(got - exp) / denom))
+
+
+def _check(lib: str, got, expected, what: str, ref_scale: float | None = None):
+    """assert_allclose with rtol=1e-5 and a magnitude-scaled absolute floor."""
+    got = np.asarray(got)
+    expected = np.asarray(expected, np.float32)
+    assert got.shape == expected.shape, f"{what}: shape {got.shape} != {expected.shape}"
+    assert np.all(np.isfinite(got)), f"{what}: non-finite values {got}"
+    scale = float(np.max(np.abs(expected))) if ref_scale is None else ref_scale
+    atol = ATOL * min(1.0, scale)
+    MAX_REL_ERR[lib] = max(MAX_REL_ERR[lib], _rel_err(got, expected, atol))
+    np.testing.assert_allclose(
+        np.asarray(got, np.float64), np.asarray(expected, np.float64),
+        rtol=RTOL, atol=atol, err_msg=what)
+
+
+def _check_tree(lib: str, got_tree, expected: list[np.ndarray], what: str):
+    got = _tree_leaves(got_tree)
+    assert len(got) == len(expected), f"{what}: {len(got)} leaves != {len(expected)}"
+    scale = max(float(np.max(np.abs(e))) for e in expected)
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g.dtype == np.float32, f"{what}[{i}]: dtype {g.dtype}"
+        _check(lib, g, e, f"{what} leaf {i}", ref_scale=scale)
+
+
+def _cases(data: dict, key: str):
+    return [pytest.param(c, id=c["name"]) for c in data[key]]
+
+
+# --------------------------------------------------------------------------
+# golden vectors: PyTorch
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", _cases(TORCH, "clip_grad_norm_"))
+def test_golden_torch_clip_grad_norm_transform(case):
+    g = _as_tree(_np_leaves(TORCH, case["tree"]))
+    tx = oc.clip_grad_norm(case["max_norm"], norm_type=_norm_type(case["norm_type"]))
+    updates, state = tx.update(g, tx.init(g))
+    _check("torch", _state_norm(state), case["total_norm"], "total norm")
+    _check_tree("torch", updates, _expected(case), "clipped grads")
+
+
+@pytest.mark.parametrize("case", _cases(TORCH, "clip_grad_norm_"))
+def test_golden_torch_clip_grad_norm_functional(case):
+    g = _as_tree(_np_leaves(TORCH, case["tree"]))
+    clipped, norm = F.clip_by_global_norm(
+        g, case["max_norm"], ord=_norm_type(case["norm_type"]), eps=TORCH_EPS)
+    _check("torch", norm, case["total_norm"], "total norm")
+    _check_tree("torch", clipped, _expected(case), "clipped grads")
+
+
+@pytest.mark.parametrize("case", _cases(TORCH, "clip_grad_value_"))
+def test_golden_torch_clip_grad_value(case):
+    g = _as_tree(_np_leaves(TORCH, case["tree"]))
+    c = case["clip_value"]
+    _check_tree("torch", F.clip_by_value(g, c), _expected(case), "functional")
+    tx = oc.clip_by_value(c)
+    updates, _ = tx.update(g, tx.init(g))
+    _check_tree("torch", updates, _expected(case), "transform")
+
+
+# --------------------------------------------------------------------------
+# golden vectors: TensorFlow
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", _cases(TF, "clip_by_global_norm"))
+def test_golden_tf_clip_by_global_norm(case):
+    g = _as_tree(_np_leaves(TF, case["tree"]))
+    c = case["clip_norm"]
+    clipped, norm = F.clip_by_global_norm(g, c)
+    _check("tensorflow", norm, case["global_norm"], "functional global norm")
+    _check_tree("tensorflow", clipped, _expected(case), "functional")
+    tx = oc.clip_by_global_norm(c)
+    updates, state = tx.update(g, tx.init(g))
+    _check("tensorflow", _state_norm(state), case["global_norm"], "state norm")
+    _check_tree("tensorflow", updates, _expected(case), "transform")
+
+
+@pytest.mark.parametrize("case", _cases(TF, "clip_by_norm"))
+def test_golden_tf_clip_by_norm(case):
+    g = _as_tree(_np_leaves(TF, case["tree"]))
+    c = case["clip_norm"]
+    _check_tree("tensorflow", F.clip_by_norm(g, c), _expected(case), "functional")
+    tx = oc.clip_by_norm(c)
+    updates, _ = tx.update(g, tx.init(g))
+    _check_tree("tensorflow", updates, _expected(case), "transform")
+
+
+@pytest.mark.parametrize("case", _cases(TF, "clip_by_value"))
+def test_golden_tf_clip_by_value(case):
+    g = _as_tree(_np_leaves(TF, case["tree"]))
+    lo, hi = case["clip_value_min"], case["clip_value_max"]
+    _check_tree("tensorflow", F.clip_by_value(g, hi, lo), _expected(case), "functional")
+    tx = oc.clip_by_value(hi, lo)
+    updates, _ = tx.update(g, tx.init(g))
+    _check_tree("tensorflow", updates, _expected(case), "transform")
+
+
+# --------------------------------------------------------------------------
+# golden vectors: Optax
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", _cases(OPTAX, "clip_by_global_norm"))
+def test_golden_optax_clip_by_global_norm(case):
+    g = _as_tree(_np_leaves(OPTAX, case["tree"]))
+    tx = oc.clip_by_global_norm(case["max_norm"])
+    updates, _ = tx.update(g, tx.init(g))
+    _check_tree("optax", updates, _expected(case), "transform")
+    clipped, _ = F.clip_by_global_norm(g, case["max_norm"])
+    _check_tree("optax", clipped, _expected(case), "functional")
+
+
+@pytest.mark.parametrize("case", _cases(OPTAX, "clip"))
+def test_golden_optax_clip(case):
+    g = _as_tree(_np_leaves(OPTAX, case["tree"]))
+    tx = oc.clip_by_value(case["max_delta"])
+    updates, _ = tx.update(g, tx.init(g))
+    _check_tree("optax", updates, _expected(case), "transform")
+
+
+@pytest.mark.parametrize("case", _cases(OPTAX, "global_norm"))
+def test_golden_optax_global_norm(case):
+    g = _as_tree(_np_leaves(OPTAX, case["tree"]))
+    _check("optax", F.global_norm(g), case["global_norm"], "global norm")
+
+
+# --------------------------------------------------------------------------
+# golden vectors under jit (one representative per function)
+# --------------------------------------------------------------------------
+
+
+def _first(data, key, name_part):
+    return next(c for c in data[key] if name_part in c["name"])
+
+
+def test_golden_under_jit():
+    case = _first(TORCH, "clip_grad_norm_", "5leaves_s1-p2-half")
+    g = _as_tree(_np_leaves(TORCH, case["tree"]))
+    tx = oc.clip_grad_norm(case["max_norm"], norm_type=2.0)
+    updates, state = jax.jit(tx.update)(g, tx.init(g))
+    _check("torch", _state_norm(state), case["total_norm"], "jit total norm")
+    _check_tree("torch", updates, _expected(case), "jit clip_grad_norm")
+
+    case = _first(TORCH, "clip_grad_norm_", "3leaves_s1e3-pinf-half")
+    g = _as_tree(_np_leaves(TORCH, case["tree"]))
+    fn = jax.jit(lambda t: F.clip_by_global_norm(
+        t, case["max_norm"], ord=math.inf, eps=TORCH_EPS))
+    clipped, norm = fn(g)
+    _check("torch", norm, case["total_norm"], "jit inf norm")
+    _check_tree("torch", clipped, _expected(case), "jit inf clip")
+
+    case = _first(TF, "clip_by_norm", "5leaves_s1-half_median_leaf")
+    g = _as_tree(_np_leaves(TF, case["tree"]))
+    tx = oc.clip_by_norm(case["clip_norm"])
+    updates, _ = jax.jit(tx.update)(g, tx.init(g))
+    _check_tree("tensorflow", updates, _expected(case), "jit clip_by_norm")
+
+    case = _first(TF, "clip_by_value", "5leaves_s1-asym_hi_small")
+    g = _as_tree(_np_leaves(TF, case["tree"]))
+    fn = jax.jit(lambda t: F.clip_by_value(
+        t, case["clip_value_max"], case["clip_value_min"]))
+    _check_tree("tensorflow", fn(g), _expected(case), "jit clip_by_value")
+
+
+# --------------------------------------------------------------------------
+# sanity of the golden files themselves
+# --------------------------------------------------------------------------
+
+
+def test_golden_documented_examples():
+    """The golden files reproduce the well-known documented numbers."""
+    c = next(c for c in TORCH["clip_grad_norm_"] if c["name"] == "example_3_4__1_2-p2-max5")
+    np.testing.assert_allclose(c["total_norm"], 5.4772, rtol=1e-4)
+    np.testing.assert_allclose(c["clipped"][0], [2.7386, 3.6515], rtol=1e-4)
+    np.testing.assert_allclose(c["clipped"][1], [0.9129, 1.8257], rtol=1e-4)
+    c = next(c for c in TF["clip_by_global_norm"] if c["name"] == "example_3_4__1_2-max5")
+    np.testing.assert_allclose(c["global_norm"], 5.4772, rtol=1e-4)
+    np.testing.assert_allclose(c["clipped"][0], [2.7386, 3.6515], rtol=1e-4)
+    np.testing.assert_allclose(c["clipped"][1], [0.9129, 1.8257], rtol=1e-4)
+    c = next(c for c in TORCH["clip_grad_norm_"] if c["name"] == "example_torch_doc-p2-max0.5")
+    np.testing.assert_allclose(
+        c["clipped"][0],
+        [[-0.0613139, -0.1532847, -0.0613139], [0.0613139, 0.1532847, 0.0613139]],
+        rtol=1e-5)
+    np.testing.assert_allclose(c["clipped"][1], [-0.3065693, 0.3065693], rtol=1e-5)
+    c = next(c for c in TORCH["clip_grad_value_"] if c["name"] == "example_torch_doc-value0.1")
+    np.testing.assert_allclose(c["clipped"][0], [[-0.1] * 3, [0.1] * 3], rtol=1e-7)
+    np.testing.assert_allclose(c["clipped"][1], [-0.1, 0.1], rtol=1e-7)
+
+
+def test_golden_files_metadata():
+    total = 0
+    for lib, data in (("torch", TORCH), ("tensorflow", TF), ("optax", OPTAX)):
+        assert data["library"] == lib
+        assert lib in data["versions"] and "numpy" in data["versions"]
+        total += (GOLDEN_DIR / f"{lib}.json").stat().st_size
+        for tree in data["trees"].values():
+            for leaf in tree["leaves"]:
+                flat = np.ravel(np.asarray(leaf, np.float64))
+                # every stored number is an exact float32 value
+                np.testing.assert_array_equal(flat.astype(np.float32).astype(np.float64), flat)
+    assert total < 1.5e6
+
+
+# --------------------------------------------------------------------------
+# live comparisons on fresh random trees
+# --------------------------------------------------------------------------
+
+SHAPES = [(1,), (3,), (4, 5), (2, 3, 4), (7, 1, 3)]
+SCALES = [1e-3, 1.0, 1e3]
+SEEDS = [0, 1, 2]
+
+
+def _random_leaves(seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(1000 + seed)
+    n = int(rng.integers(1, 6))
+    scale = SCALES[seed % len(SCALES)]
+    return [
+        (rng.standard_normal(SHAPES[int(i)]) * scale).astype(np.float32)
+        for i in rng.integers(0, len(SHAPES), size=n)
+    ]
+
+
+def _kind(seed: int) -> str:
+    return "dict" if seed % 2 else "list"
+
+
+def _np_norm(leaves, p: float) -> float:
+    flat = np.concatenate([np.ravel(x).astype(np.float64) for x in leaves])
+    if math.isinf(p):
+        return float(np.max(np.abs(flat)))
+    return float(np.sum(np.abs(flat) ** p) ** (1.0 / p))
+
+
+def _f32(x) -> float:
+    return float(np.float32(x))
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, math.inf], ids=["p1", "p2", "p3", "pinf"])
+@pytest.mark.parametrize("seed", SEEDS, ids=[f"seed{s}" for s in SEEDS])
+def test_live_torch_clip_grad_norm(seed, norm_type):
+    torch = pytest.importorskip("torch")
+    leaves = _random_leaves(seed)
+    g = _as_tree(leaves, _kind(seed))
+    for factor in (0.5, 2.0):
+        max_norm = _f32(factor * _np_norm(leaves, norm_type))
+        params = []
+        for x in leaves:
+            prm = torch.nn.Parameter(torch.zeros(x.shape, dtype=torch.float32))
+            prm.grad = torch.tensor(x)
+            params.append(prm)
+        total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        expected = [prm.grad.numpy() for prm in params]
+        what = f"factor {factor}"
+
+        tx = oc.clip_grad_norm(max_norm, norm_type=norm_type)
+        updates, state = tx.update(g, tx.init(g))
+        _check("torch", _state_norm(state), float(total), f"{what} transform norm")
+        _check_tree("torch", updates, expected, f"{what} transform")
+
+        clipped, norm = F.clip_by_global_norm(g, max_norm, ord=norm_type, eps=TORCH_EPS)
+        _check("torch", norm, float(total), f"{what} functional norm")
+        _check_tree("torch", clipped, expected, f"{what} functional")
+
+
+@pytest.mark.parametrize("seed", SEEDS, ids=[f"seed{s}" for s in SEEDS])
+def test_live_torch_clip_grad_value(seed):
+    torch = pytest.importorskip("torch")
+    leaves = _random_leaves(seed)
+    g = _as_tree(leaves, _kind(seed))
+    c = _f32(0.5 * max(float(np.max(np.abs(x))) for x in leaves))
+    params = []
+    for x in leaves:
+        prm = torch.nn.Parameter(torch.zeros(x.shape, dtype=torch.float32))
+        prm.grad = torch.tensor(x)
+        params.append(prm)
+    torch.nn.utils.clip_grad_value_(params, c)
+    expected = [prm.grad.numpy() for prm in params]
+    _check_tree("torch", F.clip_by_value(g, c), expected, "functional")
+    tx = oc.clip_by_value(c)
+    updates, _ = tx.update(g, tx.init(g))
+    _check_tree("torch", updates, expected, "transform")
+
+
+@pytest.mark.parametrize("seed", SEEDS, ids=[f"seed{s}" for s in SEEDS])
+def test_live_tensorflow(seed):
+    tf = pytest.importorskip("tensorflow")
+    leaves = _random_leaves(seed)
+    g = _as_tree(leaves, _kind(seed))
+    tleaves = [tf.constant(x) for x in leaves]
+
+    for factor in (0.5, 2.0):
+        c = _f32(factor * _np_norm(leaves, 2.0))
+        exp_clipped, exp_norm = tf.clip_by_global_norm(tleaves, c)
+        expected = [x.numpy() for x in exp_clipped]
+        clipped, norm = F.clip_by_global_norm(g, c)
+        _check("tensorflow", norm, float(exp_norm), f"global norm x{factor}")
+        _check_tree("tensorflow", clipped, expected, f"clip_by_global_norm x{factor}")
+        tx = oc.clip_by_global_norm(c)
+        updates, state = tx.update(g, tx.init(g))
+        _check("tensorflow", _state_norm(state), float(exp_norm), f"state norm x{factor}")
+        _check_tree("tensorflow", updates, expected, f"transform x{factor}")
+
+    leaf_norms = sorted(float(np.linalg.norm(x.astype(np.float64))) for x in leaves)
+    c = _f32(leaf_norms[len(leaf_norms) // 2])  # clips roughly half the leaves
+    expected = [tf.clip_by_norm(x, c).numpy() for x in tleaves]
+    _check_tree("tensorflow", F.clip_by_norm(g, c), expected, "clip_by_norm")
+    tx = oc.clip_by_norm(c)
+    updates, _ = tx.update(g, tx.init(g))
+    _check_tree("tensorflow", updates, expected, "clip_by_norm transform")
+
+    m = max(float(np.max(np.abs(x))) for x in leaves)
+    lo, hi = _f32(-0.3 * m), _f32(0.6 * m)
+    expected = [tf.clip_by_value(x, lo, hi).numpy() for x in tleaves]
+    _check_tree("tensorflow", F.clip_by_value(g, hi, lo), expected, "clip_by_value")
+
+
+@pytest.mark.parametrize("seed", SEEDS, ids=[f"seed{s}" for s in SEEDS])
+def test_live_optax(seed):
+    leaves = _random_leaves(seed)
+    g = _as_tree(leaves, _kind(seed))
+    with warnings.catch_warnings():  # optax.global_norm is deprecated upstream
+        warnings.simplefilter("ignore", DeprecationWarning)
+        ref_norm = float(optax.global_norm(g))
+    _check("optax", F.global_norm(g), ref_norm, "global_norm")
+    for factor in (0.5, 2.0):
+        c = _f32(factor * _np_norm(leaves, 2.0))
+        ref = optax.clip_by_global_norm(c)
+        exp, _ = ref.update(g, ref.init(g))
+        tx = oc.clip_by_global_norm(c)
+        updates, _ = tx.update(g, tx.init(g))
+        _check_tree("optax", updates, _tree_leaves(exp), f"clip_by_global_norm x{factor}")
+    d = _f32(0.4 * max(float(np.max(np.abs(x))) for x in leaves))
+    ref = optax.clip(d)
+    exp, _ = ref.update(g, ref.init(g))
+    tx = oc.clip_by_value(d)
+    updates, _ = tx.update(g, tx.init(g))
+    _check_tree("optax", updates, _tree_leaves(exp), "clip")
+
+
+if __name__ == "__main__":
+    rc = pytest.main([__file__, "-q", "-p", "no:cacheprovider"])
+    mod = sys.modules.get("test_parity") or sys.modules.get("tests.test_parity")
+    if mod is not None:
+        for lib, err in sorted(mod.MAX_REL_ERR.items()):
+            print(f"max relative error vs {lib}: {err:.3e}")
+    sys.exit(rc)
