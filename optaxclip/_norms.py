@@ -9,8 +9,8 @@ all-reduce of a small vector per step.
 
 The plain power sum overflows float32 for |x| above ~1.8e19 (squares) and
 loses everything below ~1e-19 (squares flush to zero). Only then, decided at
-run time by ``lax.cond``, a second pass rescales by the largest |x| first:
-``norm = m * (sum (|x|/m)**p) ** (1/p)``. Finite input therefore gives the
+run time by ``lax.cond``, a second pass rescales by a power of two ``2**k``
+just above the largest |x|: ``norm = 2**k * (sum (|x|/2**k)**p) ** (1/p)``. Finite input therefore gives the
 right finite norm, and ordinary input pays nothing for the safety net.
 """
 
@@ -166,20 +166,42 @@ def _power_sums(leaves, p, acc, reduction: Reduction) -> jax.Array:
   return reduction.sum(partials)
 
 
-def _rescaled_sums(leaves, p, acc, reduction, *, shared: bool):
-  """Power sums of ``|x| / m`` with ``m`` the largest |x| (per leaf or shared).
+def _halves(exponent: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+  """Two normal floats whose product is ``2 ** exponent``.
 
-  Returns ``(m, usable, sums)``; where ``m`` is 0 or not finite (all zeros,
-  Inf, NaN) it is replaced by 1 and ``usable`` is False.
+  XLA multiplies by the reciprocal when dividing by a scalar, and the
+  reciprocal of a huge maximum (above 2**126) is subnormal, flushed to zero.
+  Two power-of-two factors stay normal over the whole float range and
+  multiply exactly.
+  """
+  half = exponent // 2
+  one = jnp.ones([], dtype)
+  return jnp.ldexp(one, half), jnp.ldexp(one, exponent - half)
+
+
+def _rescaled_sums(leaves, p, acc, reduction, *, shared: bool):
+  """Power sums of ``|x| / 2**k``, with ``2**k`` just above the largest |x|.
+
+  ``k`` is per leaf, or one for all leaves (``shared``). Returns
+  ``(k, usable, sums)``: where the largest |x| is 0 or not finite (zeros, Inf,
+  NaN) ``usable`` is False and ``k`` is 0.
   """
   maxima = _power_sums(leaves, math.inf, acc, reduction)
   if shared:
     maxima = jnp.broadcast_to(jnp.max(maxima), maxima.shape)
   usable = jnp.isfinite(maxima) & (maxima > 0)
-  scales = jnp.where(usable, maxima, 1)
-  partials = jnp.stack([jnp.sum(_pow(_abs(x, acc) / scales[i], p))
-                        for i, x in enumerate(leaves)])
-  return scales, usable, reduction.sum(partials)
+  _, exponents = jnp.frexp(jnp.where(usable, maxima, 1))
+  exponents = jnp.where(usable, exponents, 0)
+  partials = []
+  for i, x in enumerate(leaves):
+    low, high = _halves(-exponents[i], acc)
+    partials.append(jnp.sum(_pow(_abs(x, acc) * low * high, p)))
+  return exponents, usable, reduction.sum(jnp.stack(partials))
+
+
+def _times_power_of_two(x: jax.Array, exponent: jax.Array) -> jax.Array:
+  low, high = _halves(exponent, x.dtype)
+  return x * low * high
 
 
 def _precision_floor(leaves, acc, reduction: Reduction) -> jax.Array:
@@ -227,9 +249,10 @@ def _leaf_norms(leaves, p, reduction):
     return sums
 
   def rescaled():
-    scales, usable, scaled = _rescaled_sums(leaves, p, acc, reduction,
-                                            shared=False)
-    return jnp.where(usable, scales * _root(scaled, p), _root(sums, p))
+    exponents, usable, scaled = _rescaled_sums(leaves, p, acc, reduction,
+                                               shared=False)
+    return jnp.where(usable, _times_power_of_two(_root(scaled, p), exponents),
+                     _root(sums, p))
 
   unsafe = _needs_rescaling(sums, _precision_floor(leaves, acc, reduction))
   return lax.cond(unsafe, rescaled, lambda: _root(sums, p))
@@ -253,10 +276,10 @@ def _norm_of_leaves(leaves, p, reduction):
   total = jnp.sum(sums)
 
   def rescaled():
-    scales, usable, scaled = _rescaled_sums(leaves, p, acc, reduction,
-                                            shared=True)
-    return jnp.where(usable[0], scales[0] * _root(jnp.sum(scaled), p),
-                     _root(total, p))
+    exponents, usable, scaled = _rescaled_sums(leaves, p, acc, reduction,
+                                               shared=True)
+    norm = _times_power_of_two(_root(jnp.sum(scaled), p), exponents[0])
+    return jnp.where(usable[0], norm, _root(total, p))
 
   unsafe = _needs_rescaling(total, _precision_floor(leaves, acc, reduction))
   return lax.cond(unsafe, rescaled, lambda: _root(total, p))

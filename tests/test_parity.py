@@ -20,7 +20,9 @@ error observed per reference library.
 from __future__ import annotations
 
 import json
+import functools
 import math
+import os
 import sys
 import warnings
 from collections import defaultdict
@@ -132,141 +134,147 @@ def _cases(data: dict, key: str):
 
 
 # --------------------------------------------------------------------------
-# golden vectors: PyTorch
+# golden vectors
+#
+# Each golden case runs its optaxclip functions through ``_run``: under
+# ``jax.jit`` with the thresholds as traced float32 scalars (one compilation
+# per tree structure and norm order instead of one eager ``lax.cond``
+# compilation per call), and, for a representative subset (every case when
+# OPTAXCLIP_PARITY_EAGER=1), also eagerly with plain Python-float thresholds,
+# exactly as a user calls them.
 # --------------------------------------------------------------------------
 
+EAGER_ALL = os.environ.get("OPTAXCLIP_PARITY_EAGER", "") not in ("", "0")
+EAGER_LABELS = ("-half", "-half_max", "-half_median_leaf", "-asym_lo_small",
+                "-asym_hi_small", "-tiny")
 
-@pytest.mark.parametrize("case", _cases(TORCH, "clip_grad_norm_"))
-def test_golden_torch_clip_grad_norm_transform(case):
-    g = _as_tree(_np_leaves(TORCH, case["tree"]))
-    tx = oc.clip_grad_norm(case["max_norm"], norm_type=_norm_type(case["norm_type"]))
+
+def _eager_subset(case) -> bool:
+    return (EAGER_ALL or case["tree"].startswith("example")
+            or (case["tree"] in ("5leaves_s1", "2leaves_zeros")
+                and case["name"].endswith(EAGER_LABELS)))
+
+
+def _golden_params(data: dict, key: str):
+    params = []
+    for c in data[key]:
+        params.append(pytest.param("jit", c, id=f"jit-{c['name']}"))
+        if _eager_subset(c):
+            params.append(pytest.param("eager", c, id=f"eager-{c['name']}"))
+    return params
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(fn):
+    return jax.jit(fn, static_argnums=0)
+
+
+def _run(mode: str, fn, static, g, *thresholds):
+    """``fn(static, g, *thresholds)``, eagerly or jitted (see above)."""
+    if mode == "eager":
+        return fn(static, g, *(float(t) for t in thresholds))
+    return _jitted(fn)(static, g, *(jnp.asarray(t, jnp.float32) for t in thresholds))
+
+
+def _torch_norm_fns(norm_type, g, max_norm):
+    tx = oc.clip_grad_norm(max_norm, norm_type=norm_type)
     updates, state = tx.update(g, tx.init(g))
-    _check("torch", _state_norm(state), case["total_norm"], "total norm")
-    _check_tree("torch", updates, _expected(case), "clipped grads")
+    clipped, norm = F.clip_by_global_norm(g, max_norm, ord=norm_type, eps=TORCH_EPS)
+    return updates, _state_norm(state), clipped, norm
 
 
-@pytest.mark.parametrize("case", _cases(TORCH, "clip_grad_norm_"))
-def test_golden_torch_clip_grad_norm_functional(case):
-    g = _as_tree(_np_leaves(TORCH, case["tree"]))
-    clipped, norm = F.clip_by_global_norm(
-        g, case["max_norm"], ord=_norm_type(case["norm_type"]), eps=TORCH_EPS)
-    _check("torch", norm, case["total_norm"], "total norm")
-    _check_tree("torch", clipped, _expected(case), "clipped grads")
-
-
-@pytest.mark.parametrize("case", _cases(TORCH, "clip_grad_value_"))
-def test_golden_torch_clip_grad_value(case):
-    g = _as_tree(_np_leaves(TORCH, case["tree"]))
-    c = case["clip_value"]
-    _check_tree("torch", F.clip_by_value(g, c), _expected(case), "functional")
-    tx = oc.clip_by_value(c)
+def _value_fns(_, g, max_value, min_value=None):
+    tx = oc.clip_by_value(max_value, min_value)
     updates, _ = tx.update(g, tx.init(g))
-    _check_tree("torch", updates, _expected(case), "transform")
+    return F.clip_by_value(g, max_value, min_value), updates
 
 
-# --------------------------------------------------------------------------
-# golden vectors: TensorFlow
-# --------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("case", _cases(TF, "clip_by_global_norm"))
-def test_golden_tf_clip_by_global_norm(case):
-    g = _as_tree(_np_leaves(TF, case["tree"]))
-    c = case["clip_norm"]
-    clipped, norm = F.clip_by_global_norm(g, c)
-    _check("tensorflow", norm, case["global_norm"], "functional global norm")
-    _check_tree("tensorflow", clipped, _expected(case), "functional")
-    tx = oc.clip_by_global_norm(c)
+def _global_norm_fns(_, g, max_norm):
+    clipped, norm = F.clip_by_global_norm(g, max_norm)
+    tx = oc.clip_by_global_norm(max_norm)
     updates, state = tx.update(g, tx.init(g))
-    _check("tensorflow", _state_norm(state), case["global_norm"], "state norm")
-    _check_tree("tensorflow", updates, _expected(case), "transform")
+    return clipped, norm, updates, _state_norm(state)
 
 
-@pytest.mark.parametrize("case", _cases(TF, "clip_by_norm"))
-def test_golden_tf_clip_by_norm(case):
-    g = _as_tree(_np_leaves(TF, case["tree"]))
-    c = case["clip_norm"]
-    _check_tree("tensorflow", F.clip_by_norm(g, c), _expected(case), "functional")
-    tx = oc.clip_by_norm(c)
+def _norm_fns(_, g, max_norm):
+    tx = oc.clip_by_norm(max_norm)
     updates, _ = tx.update(g, tx.init(g))
-    _check_tree("tensorflow", updates, _expected(case), "transform")
+    return F.clip_by_norm(g, max_norm), updates
 
 
-@pytest.mark.parametrize("case", _cases(TF, "clip_by_value"))
-def test_golden_tf_clip_by_value(case):
-    g = _as_tree(_np_leaves(TF, case["tree"]))
-    lo, hi = case["clip_value_min"], case["clip_value_max"]
-    _check_tree("tensorflow", F.clip_by_value(g, hi, lo), _expected(case), "functional")
-    tx = oc.clip_by_value(hi, lo)
-    updates, _ = tx.update(g, tx.init(g))
-    _check_tree("tensorflow", updates, _expected(case), "transform")
+def _global_norm_only(_, g):
+    return F.global_norm(g)
 
 
-# --------------------------------------------------------------------------
-# golden vectors: Optax
-# --------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("case", _cases(OPTAX, "clip_by_global_norm"))
-def test_golden_optax_clip_by_global_norm(case):
-    g = _as_tree(_np_leaves(OPTAX, case["tree"]))
-    tx = oc.clip_by_global_norm(case["max_norm"])
-    updates, _ = tx.update(g, tx.init(g))
-    _check_tree("optax", updates, _expected(case), "transform")
-    clipped, _ = F.clip_by_global_norm(g, case["max_norm"])
-    _check_tree("optax", clipped, _expected(case), "functional")
-
-
-@pytest.mark.parametrize("case", _cases(OPTAX, "clip"))
-def test_golden_optax_clip(case):
-    g = _as_tree(_np_leaves(OPTAX, case["tree"]))
-    tx = oc.clip_by_value(case["max_delta"])
-    updates, _ = tx.update(g, tx.init(g))
-    _check_tree("optax", updates, _expected(case), "transform")
-
-
-@pytest.mark.parametrize("case", _cases(OPTAX, "global_norm"))
-def test_golden_optax_global_norm(case):
-    g = _as_tree(_np_leaves(OPTAX, case["tree"]))
-    _check("optax", F.global_norm(g), case["global_norm"], "global norm")
-
-
-# --------------------------------------------------------------------------
-# golden vectors under jit (one representative per function)
-# --------------------------------------------------------------------------
-
-
-def _first(data, key, name_part):
-    return next(c for c in data[key] if name_part in c["name"])
-
-
-def test_golden_under_jit():
-    case = _first(TORCH, "clip_grad_norm_", "5leaves_s1-p2-half")
+@pytest.mark.parametrize("mode,case", _golden_params(TORCH, "clip_grad_norm_"))
+def test_golden_torch_clip_grad_norm(mode, case):
     g = _as_tree(_np_leaves(TORCH, case["tree"]))
-    tx = oc.clip_grad_norm(case["max_norm"], norm_type=2.0)
-    updates, state = jax.jit(tx.update)(g, tx.init(g))
-    _check("torch", _state_norm(state), case["total_norm"], "jit total norm")
-    _check_tree("torch", updates, _expected(case), "jit clip_grad_norm")
+    p = _norm_type(case["norm_type"])
+    updates, state_norm, clipped, norm = _run(mode, _torch_norm_fns, p, g, case["max_norm"])
+    _check("torch", state_norm, case["total_norm"], "transform: total norm")
+    _check_tree("torch", updates, _expected(case), "transform oc.clip_grad_norm")
+    _check("torch", norm, case["total_norm"], "functional: total norm")
+    _check_tree("torch", clipped, _expected(case), "functional F.clip_by_global_norm")
 
-    case = _first(TORCH, "clip_grad_norm_", "3leaves_s1e3-pinf-half")
+
+@pytest.mark.parametrize("mode,case", _golden_params(TORCH, "clip_grad_value_"))
+def test_golden_torch_clip_grad_value(mode, case):
     g = _as_tree(_np_leaves(TORCH, case["tree"]))
-    fn = jax.jit(lambda t: F.clip_by_global_norm(
-        t, case["max_norm"], ord=math.inf, eps=TORCH_EPS))
-    clipped, norm = fn(g)
-    _check("torch", norm, case["total_norm"], "jit inf norm")
-    _check_tree("torch", clipped, _expected(case), "jit inf clip")
+    clipped, updates = _run(mode, _value_fns, None, g, case["clip_value"])
+    _check_tree("torch", clipped, _expected(case), "functional F.clip_by_value")
+    _check_tree("torch", updates, _expected(case), "transform oc.clip_by_value")
 
-    case = _first(TF, "clip_by_norm", "5leaves_s1-half_median_leaf")
-    g = _as_tree(_np_leaves(TF, case["tree"]))
-    tx = oc.clip_by_norm(case["clip_norm"])
-    updates, _ = jax.jit(tx.update)(g, tx.init(g))
-    _check_tree("tensorflow", updates, _expected(case), "jit clip_by_norm")
 
-    case = _first(TF, "clip_by_value", "5leaves_s1-asym_hi_small")
+@pytest.mark.parametrize("mode,case", _golden_params(TF, "clip_by_global_norm"))
+def test_golden_tf_clip_by_global_norm(mode, case):
     g = _as_tree(_np_leaves(TF, case["tree"]))
-    fn = jax.jit(lambda t: F.clip_by_value(
-        t, case["clip_value_max"], case["clip_value_min"]))
-    _check_tree("tensorflow", fn(g), _expected(case), "jit clip_by_value")
+    clipped, norm, updates, state_norm = _run(mode, _global_norm_fns, None, g,
+                                              case["clip_norm"])
+    _check("tensorflow", norm, case["global_norm"], "functional: global norm")
+    _check_tree("tensorflow", clipped, _expected(case), "functional F.clip_by_global_norm")
+    _check("tensorflow", state_norm, case["global_norm"], "transform: state norm")
+    _check_tree("tensorflow", updates, _expected(case), "transform oc.clip_by_global_norm")
+
+
+@pytest.mark.parametrize("mode,case", _golden_params(TF, "clip_by_norm"))
+def test_golden_tf_clip_by_norm(mode, case):
+    g = _as_tree(_np_leaves(TF, case["tree"]))
+    clipped, updates = _run(mode, _norm_fns, None, g, case["clip_norm"])
+    _check_tree("tensorflow", clipped, _expected(case), "functional F.clip_by_norm")
+    _check_tree("tensorflow", updates, _expected(case), "transform oc.clip_by_norm")
+
+
+@pytest.mark.parametrize("mode,case", _golden_params(TF, "clip_by_value"))
+def test_golden_tf_clip_by_value(mode, case):
+    g = _as_tree(_np_leaves(TF, case["tree"]))
+    # tf.clip_by_value(t, lo, hi) == F.clip_by_value(tree, hi, lo)
+    clipped, updates = _run(mode, _value_fns, None, g,
+                            case["clip_value_max"], case["clip_value_min"])
+    _check_tree("tensorflow", clipped, _expected(case), "functional F.clip_by_value")
+    _check_tree("tensorflow", updates, _expected(case), "transform oc.clip_by_value")
+
+
+@pytest.mark.parametrize("mode,case", _golden_params(OPTAX, "clip_by_global_norm"))
+def test_golden_optax_clip_by_global_norm(mode, case):
+    g = _as_tree(_np_leaves(OPTAX, case["tree"]))
+    clipped, _, updates, _ = _run(mode, _global_norm_fns, None, g, case["max_norm"])
+    _check_tree("optax", updates, _expected(case), "transform oc.clip_by_global_norm")
+    _check_tree("optax", clipped, _expected(case), "functional F.clip_by_global_norm")
+
+
+@pytest.mark.parametrize("mode,case", _golden_params(OPTAX, "clip"))
+def test_golden_optax_clip(mode, case):
+    g = _as_tree(_np_leaves(OPTAX, case["tree"]))
+    clipped, updates = _run(mode, _value_fns, None, g, case["max_delta"])
+    _check_tree("optax", updates, _expected(case), "transform oc.clip_by_value")
+    _check_tree("optax", clipped, _expected(case), "functional F.clip_by_value")
+
+
+@pytest.mark.parametrize("mode,case", _golden_params(OPTAX, "global_norm"))
+def test_golden_optax_global_norm(mode, case):
+    g = _as_tree(_np_leaves(OPTAX, case["tree"]))
+    _check("optax", _run(mode, _global_norm_only, None, g), case["global_norm"],
+           "F.global_norm")
 
 
 # --------------------------------------------------------------------------
