@@ -14,12 +14,14 @@ just above the largest |x|: ``norm = 2**k * (sum (|x|/2**k)**p) ** (1/p)``. Fini
 right finite norm, and ordinary input pays nothing for the safety net.
 """
 
+import functools
 import math
-from typing import Any, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+import numpy as np
 
 from optaxclip import _tree
 from optaxclip import _validation
@@ -27,7 +29,7 @@ from optaxclip import _validation
 PyTree = Any
 
 
-class Reduction:
+class Reduction(NamedTuple):
   """Combines per-leaf partials across the devices of ``axis_names``.
 
   Under ``shard_map``/``pmap`` each device holds a shard of every split leaf,
@@ -35,12 +37,11 @@ class Reduction:
   as replicated on some axis holds the same values on each device of that
   axis: only the device at index 0 of such an axis contributes, so the leaf
   is counted once. All leaves then share one ``psum``: one all-reduce.
+  Hashable, so compiled norms are cached per reduction.
   """
-
-  def __init__(self, axis_names: tuple[Any, ...],
-               replicated_axes: Sequence[tuple[Any, ...]] | None = None):
-    self.axis_names = axis_names
-    self.replicated_axes = replicated_axes  # per leaf; None: all leaves split
+  axis_names: tuple[Any, ...]
+  replicated_axes: tuple[tuple[Any, ...], ...] | None = None  # per leaf;
+  #                                               None: every leaf is split
 
   def sum(self, partials: jax.Array) -> jax.Array:
     if not self.axis_names:
@@ -104,9 +105,9 @@ def make_reduction(fn: str, tree: PyTree, axis_name: Any,
         f"it does not match the gradient tree: {error}") from None
   spec_leaves = jax.tree.leaves(leaf_specs, is_leaf=_is_spec)
   grad_leaves = jax.tree.leaves(tree)
-  replicated = [tuple(a for a in axis_names if a not in _spec_axes(spec))
-                for spec, leaf in zip(spec_leaves, grad_leaves)
-                if _tree.is_clippable(leaf)]
+  replicated = tuple(tuple(a for a in axis_names if a not in _spec_axes(spec))
+                     for spec, leaf in zip(spec_leaves, grad_leaves)
+                     if _tree.is_clippable(leaf))
   return Reduction(axis_names, replicated)
 
 
@@ -147,20 +148,72 @@ def _root(s: jax.Array, p: float) -> jax.Array:
   return jnp.where(positive, root, s)  # s itself for 0 and NaN
 
 
-def _power_sum(x: jax.Array, p: float, acc: jnp.dtype) -> jax.Array:
+# Leaves up to this many elements are stacked with the others of their shape
+# and dtype and reduced together: one fusion per group instead of one per
+# leaf keeps compile time flat in the number of leaves. Larger leaves reduce
+# on their own, so run time never pays for copying them.
+GROUP_LIMIT = 1 << 15
+
+
+def _groups(leaves: list[jax.Array]) -> list[list[int]]:
+  """Indices of leaves that reduce together (same shape and dtype, small)."""
+  by_key: dict[Any, list[int]] = {}
+  for i, x in enumerate(leaves):
+    key = (x.shape, x.dtype) if x.size <= GROUP_LIMIT else i
+    by_key.setdefault(key, []).append(i)
+  return list(by_key.values())
+
+
+def _per_leaf(leaves, elementwise, reduce) -> jax.Array:
+  """``reduce(elementwise(x, rows))`` of every leaf, as a vector in leaf order.
+
+  ``elementwise`` gets a leaf (or a stack of leaves) and its index (or the
+  array of their indices), to pick per-leaf factors.
+  """
+  pieces, order = [], []
+  for rows in _groups(leaves):
+    if len(rows) == 1:
+      pieces.append(reduce(elementwise(leaves[rows[0]], rows[0]))[None])
+    else:
+      stacked = jnp.stack([leaves[i] for i in rows])
+      values = elementwise(stacked, np.asarray(rows))
+      pieces.append(reduce(values.reshape(len(rows), -1), axis=1))
+    order.extend(rows)
+  vector = jnp.concatenate(pieces)
+  if order != sorted(order):
+    vector = vector[np.argsort(order)]
+  return vector
+
+
+def _rows_of(vector: jax.Array, rows, ndim: int) -> jax.Array:
+  """``vector[rows]``, shaped to broadcast against the leaf or stack."""
+  if np.ndim(rows) == 0:
+    return vector[rows]
+  return vector[rows].reshape((-1,) + (1,) * (ndim - 1))
+
+
+def _elementwise_power(x: jax.Array, p: Any, acc: jnp.dtype) -> jax.Array:
+  """``|x| ** p`` in ``acc`` (``|x|`` for ``inf``), without a sqrt for p=2."""
   if _is_order(p, math.inf):
-    return jnp.max(_abs(x, acc), initial=0)
+    return _abs(x, acc)
   if _is_order(p, 2) and not jnp.iscomplexobj(x):
     y = x.astype(acc)
-    return jnp.sum(y * y)
+    return y * y
   if _is_order(p, 2):
     re, im = jnp.real(x).astype(acc), jnp.imag(x).astype(acc)
-    return jnp.sum(re * re + im * im)
-  return jnp.sum(_pow(_abs(x, acc), p))
+    return re * re + im * im
+  return _pow(_abs(x, acc), p)
+
+
+def _reducer(p: Any):
+  if _is_order(p, math.inf):
+    return functools.partial(jnp.max, initial=0)
+  return jnp.sum
 
 
 def _power_sums(leaves, p, acc, reduction: Reduction) -> jax.Array:
-  partials = jnp.stack([_power_sum(x, p, acc) for x in leaves])
+  partials = _per_leaf(leaves, lambda x, rows: _elementwise_power(x, p, acc),
+                       _reducer(p))
   if _is_order(p, math.inf):
     return reduction.max(partials)
   return reduction.sum(partials)
@@ -192,11 +245,13 @@ def _rescaled_sums(leaves, p, acc, reduction, *, shared: bool):
   usable = jnp.isfinite(maxima) & (maxima > 0)
   _, exponents = jnp.frexp(jnp.where(usable, maxima, 1))
   exponents = jnp.where(usable, exponents, 0)
-  partials = []
-  for i, x in enumerate(leaves):
-    low, high = _halves(-exponents[i], acc)
-    partials.append(jnp.sum(_pow(_abs(x, acc) * low * high, p)))
-  return exponents, usable, reduction.sum(jnp.stack(partials))
+  low, high = _halves(-exponents, acc)
+
+  def scaled_power(x, rows):
+    factors = _rows_of(low, rows, x.ndim), _rows_of(high, rows, x.ndim)
+    return _pow(_abs(x, acc) * factors[0] * factors[1], p)
+
+  return exponents, usable, reduction.sum(_per_leaf(leaves, scaled_power, jnp.sum))
 
 
 def _times_power_of_two(x: jax.Array, exponent: jax.Array) -> jax.Array:
@@ -232,15 +287,31 @@ def _switch_on_order(norm_fn, p: jax.Array) -> jax.Array:
   return lax.switch(index, branches)
 
 
-def leaf_norms(leaves: list[jax.Array], p: Any,
-               reduction: Reduction = LOCAL) -> jax.Array:
+def _by_order(norm_fn):
+  """``norm_fn(leaves, p, reduction)``, compiled once per tree structure,
+  order and reduction.
+
+  Called eagerly, a norm would otherwise re-trace its ``lax.cond`` at every
+  call; inside a user's ``jit`` the inner jit is simply inlined. A traced
+  order (``optax.inject_hyperparams``) dispatches with ``lax.switch``.
+  """
+  compiled = jax.jit(norm_fn, static_argnums=(1, 2))
+
+  @functools.wraps(norm_fn)
+  def call(leaves: list[jax.Array], p: Any,
+           reduction: Reduction = LOCAL) -> jax.Array:
+    if not isinstance(p, jax.Array):
+      return compiled(leaves, p, reduction)
+    return _switch_on_order(
+        lambda q: (norm_fn if isinstance(q, jax.Array) else compiled)(
+            leaves, q, reduction), p)
+
+  return call
+
+
+@_by_order
+def leaf_norms(leaves, p, reduction):
   """The ``p``-norm of each leaf, as a vector in the accumulation dtype."""
-  if isinstance(p, jax.Array):
-    return _switch_on_order(lambda q: _leaf_norms(leaves, q, reduction), p)
-  return _leaf_norms(leaves, p, reduction)
-
-
-def _leaf_norms(leaves, p, reduction):
   acc = _tree.accumulation_dtype(leaves)
   if not leaves:
     return jnp.zeros([0], acc)
@@ -258,15 +329,9 @@ def _leaf_norms(leaves, p, reduction):
   return lax.cond(unsafe, rescaled, lambda: _root(sums, p))
 
 
-def norm_of_leaves(leaves: list[jax.Array], p: Any,
-                   reduction: Reduction = LOCAL) -> jax.Array:
+@_by_order
+def norm_of_leaves(leaves, p, reduction):
   """The ``p``-norm of all ``leaves`` taken together, as a scalar."""
-  if isinstance(p, jax.Array):
-    return _switch_on_order(lambda q: _norm_of_leaves(leaves, q, reduction), p)
-  return _norm_of_leaves(leaves, p, reduction)
-
-
-def _norm_of_leaves(leaves, p, reduction):
   acc = _tree.accumulation_dtype(leaves)
   if not leaves:
     return jnp.zeros([], acc)
@@ -344,7 +409,7 @@ def all_finite(tree: PyTree, *, axis_name: Any = None) -> jax.Array:
   leaves = _tree.clippable_leaves(tree)
   if not leaves:
     return jnp.bool_(True)
-  local = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+  local = jnp.all(_per_leaf(leaves, lambda x, rows: jnp.isfinite(x), jnp.all))
   if not axis_names:
     return local
   return lax.pmin(local.astype(jnp.int32), axis_names).astype(jnp.bool_)

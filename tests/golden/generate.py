@@ -2,7 +2,11 @@
 
 Run from the repository root with the reference libraries installed::
 
-    python tests/golden/generate.py
+    python tests/golden/generate.py            # all three files
+    python tests/golden/generate.py torch      # only torch.json (or tensorflow, optax)
+
+The output is deterministic (fixed seed): rerunning with the same library
+versions rewrites identical files.
 
 Every expected value is produced by calling the *real* reference library
 (PyTorch, TensorFlow, Optax).  NumPy is only used for the seeded random inputs
@@ -390,11 +394,27 @@ def gen_optax(trees) -> dict:
     return out
 
 
+def _dumps(obj) -> str:
+    return json.dumps(obj, allow_nan=False, separators=(",", ":"))
+
+
 def write(name: str, data: dict) -> str:
+    """Writes ``data`` as JSON with one tree / one case per line (readable diffs)."""
+    parts = []
+    for key, value in data.items():
+        if isinstance(value, list):
+            body = ",\n".join(_dumps(v) for v in value)
+            parts.append(f"{_dumps(key)}:[\n{body}\n]")
+        elif key == "trees":
+            body = ",\n".join(f"{_dumps(k)}:{_dumps(v)}" for k, v in value.items())
+            parts.append(f"{_dumps(key)}:{{\n{body}\n}}")
+        else:
+            parts.append(f"{_dumps(key)}:{_dumps(value)}")
+    text = "{\n" + ",\n".join(parts) + "\n}\n"
+    assert json.loads(text) == data
     path = os.path.join(HERE, name)
     with open(path, "w") as fh:
-        json.dump(data, fh, allow_nan=False, separators=(",", ":"))
-        fh.write("\n")
+        fh.write(text)
     return path
 
 
