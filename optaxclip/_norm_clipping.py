@@ -262,9 +262,11 @@ def clip_by_global_norm(max_norm: Any, *, ord: Any = 2, eps: Any = 0.0,
   """Scales the updates so that their global norm is at most ``max_norm``.
 
   A drop-in for ``optax.clip_by_global_norm`` (same numbers with the
-  defaults) whose state keeps the pre-clip norm for logging (read it with
-  ``optaxclip.stats``), and which stays finite for finite gradients of any
-  magnitude and dtype.
+  defaults, to within one rounding: leaves are multiplied by
+  ``max_norm / norm``, as TensorFlow and PyTorch do, where Optax divides and
+  then multiplies) whose state keeps the pre-clip norm for logging (read it
+  with ``optaxclip.stats``), and which stays finite for finite gradients of
+  any magnitude and dtype.
 
   Args:
     max_norm: the largest global norm (a number >= 0).
