@@ -223,6 +223,8 @@ def main():
   parser.add_argument("--steps", type=int, help="training steps per run")
   parser.add_argument("--quick", action="store_true",
                       help="a tiny configuration, for smoke tests")
+  parser.add_argument("--out", type=pathlib.Path, default=OUTPUT,
+                      help=f"where to write the PNG (default {OUTPUT})")
   args = parser.parse_args()
   cfg = dict(QUICK if args.quick else FULL)
   if args.steps is not None:
@@ -250,8 +252,8 @@ def main():
   logs = [train(name, tx, cfg) for name, tx, _ in runs]
   print(f"trained {len(runs)} runs in {time.perf_counter() - start:.1f} s\n")
   print_table(runs, logs)
-  plot(runs, logs, OUTPUT)
-  print(f"\nwrote {OUTPUT}")
+  plot(runs, logs, args.out)
+  print(f"\nwrote {args.out}")
 
 
 if __name__ == "__main__":
