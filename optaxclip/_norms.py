@@ -70,10 +70,10 @@ class Reduction(NamedTuple):
 LOCAL = Reduction(())
 
 
-def _spec_axes(spec: Any) -> set[Any]:
+def _spec_axes(spec: jax.sharding.PartitionSpec) -> set[Any]:
   """The mesh axes a PartitionSpec splits an array over."""
   axes = set()
-  for entry in (spec or ()):
+  for entry in spec:
     if entry is None:
       continue
     axes.update(entry if isinstance(entry, tuple) else (entry,))
@@ -82,6 +82,27 @@ def _spec_axes(spec: Any) -> set[Any]:
 
 def _is_spec(x: Any) -> bool:
   return x is None or isinstance(x, jax.sharding.PartitionSpec)
+
+
+def _leaf_specs(fn: str, tree: PyTree, specs: PyTree) -> list[Any]:
+  """One PartitionSpec per leaf of ``tree`` (``specs`` is a tree prefix)."""
+  def broadcast(spec, subtree):
+    if not _is_spec(spec):
+      raise TypeError(
+          f"`{fn}(specs=...)` must hold PartitionSpecs (or None), got "
+          f"{spec!r} of type {type(spec).__name__}")
+    spec = jax.sharding.PartitionSpec() if spec is None else spec
+    return jax.tree.map(lambda _: spec, subtree)
+
+  try:
+    leaf_specs = jax.tree.map(broadcast, specs, tree, is_leaf=_is_spec)
+  except ValueError as error:
+    raise ValueError(
+        f"`{fn}(specs=...)` must be a PartitionSpec or a tree prefix of the "
+        f"gradients with PartitionSpec leaves (as shard_map's in_specs); "
+        f"it does not match the gradient tree: {error}") from None
+  return jax.tree.leaves(
+      leaf_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
 
 
 def make_reduction(fn: str, tree: PyTree, axis_name: Any,
@@ -94,21 +115,20 @@ def make_reduction(fn: str, tree: PyTree, axis_name: Any,
     raise ValueError(
         f"`{fn}(specs=...)` needs `axis_name`: specs say how leaves are split "
         f"over the named axes of shard_map/pmap")
-  try:
-    leaf_specs = jax.tree.map(
-        lambda spec, subtree: jax.tree.map(lambda _: spec, subtree),
-        specs, tree, is_leaf=_is_spec)
-  except (ValueError, TypeError) as error:
-    raise ValueError(
-        f"`{fn}(specs=...)` must be a PartitionSpec or a tree prefix of the "
-        f"gradients with PartitionSpec leaves (as shard_map's in_specs); "
-        f"it does not match the gradient tree: {error}") from None
-  spec_leaves = jax.tree.leaves(leaf_specs, is_leaf=_is_spec)
-  grad_leaves = jax.tree.leaves(tree)
-  replicated = tuple(tuple(a for a in axis_names if a not in _spec_axes(spec))
-                     for spec, leaf in zip(spec_leaves, grad_leaves)
-                     if _tree.is_clippable(leaf))
-  return Reduction(axis_names, replicated)
+  with_paths, _ = jax.tree_util.tree_flatten_with_path(tree)
+  replicated = []
+  for (path, leaf), spec in zip(with_paths, _leaf_specs(fn, tree, specs)):
+    if not _tree.is_clippable(leaf):
+      continue
+    split = _spec_axes(spec)
+    if split - set(axis_names):
+      raise ValueError(
+          f"`{fn}(specs=...)` splits leaf {jax.tree_util.keystr(path)} over "
+          f"mesh axes {sorted(map(str, split - set(axis_names)))} that are not "
+          f"in axis_name={axis_name!r}: its norm would differ per device. Add "
+          f"them to axis_name")
+    replicated.append(tuple(a for a in axis_names if a not in split))
+  return Reduction(axis_names, tuple(replicated))
 
 
 def _is_order(p: Any, value: float) -> bool:
@@ -155,12 +175,31 @@ def _root(s: jax.Array, p: float) -> jax.Array:
 GROUP_LIMIT = 1 << 15
 
 
+def _layout(x: jax.Array) -> Any:
+  """What two leaves must share to be stacked without moving data.
+
+  Unsharded leaves share everything; on an Explicit mesh, leaves with the
+  same PartitionSpec do. On an Auto mesh the sharding is unknown while
+  tracing (the compiler picks it): such leaves reduce alone (None), since
+  stacking differently sharded leaves would make XLA move them.
+  """
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or mesh.empty:
+    return ()
+  if any(t == jax.sharding.AxisType.Auto for t in mesh.axis_types):
+    return None
+  return mesh, sharding.spec
+
+
 def _groups(leaves: list[jax.Array]) -> list[list[int]]:
-  """Indices of leaves that reduce together (same shape and dtype, small)."""
+  """Indices of leaves that reduce together (small, same shape, dtype and
+  sharding)."""
   by_key: dict[Any, list[int]] = {}
   for i, x in enumerate(leaves):
-    key = (x.shape, x.dtype) if x.size <= GROUP_LIMIT else i
-    by_key.setdefault(key, []).append(i)
+    layout = _layout(x)
+    alone = x.size > GROUP_LIMIT or layout is None
+    by_key.setdefault(i if alone else (x.shape, x.dtype, layout), []).append(i)
   return list(by_key.values())
 
 
@@ -177,7 +216,9 @@ def _per_leaf(leaves, elementwise, reduce) -> jax.Array:
     else:
       stacked = jnp.stack([leaves[i] for i in rows])
       values = elementwise(stacked, np.asarray(rows))
-      pieces.append(reduce(values.reshape(len(rows), -1), axis=1))
+      # Reduced over the leaf axes as they are: a reshape of a sharded
+      # stack would be a resharding.
+      pieces.append(reduce(values, axis=tuple(range(1, values.ndim))))
     order.extend(rows)
   vector = jnp.concatenate(pieces)
   if order != sorted(order):

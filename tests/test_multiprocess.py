@@ -1,0 +1,78 @@
+"""Several processes (``jax.distributed.initialize``), each with its own devices.
+
+Starts two local processes with 4 CPU devices each (8 in all, CPU collectives
+over gloo, JAX's default) running ``_multiprocess_worker.py``: sharded
+``jit`` on Explicit and Auto meshes and ``shard_map`` with ``axis_name`` and
+``specs``, all checked against float64 numpy in every process. Deselect with
+``pytest -k "not multiprocess"``.
+"""
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+TESTS = pathlib.Path(__file__).parent
+WORKER = TESTS / "_multiprocess_worker.py"
+NUM_PROCESSES = 2
+TIMEOUT_S = 120
+CHECKS = ["ok gspmd Explicit", "ok gspmd Auto", "ok shard_map"]
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def run_processes(num_processes: int, timeout_s: float):
+  """Runs the workers; returns [(returncode, stdout, stderr)] per process.
+
+  If one fails, the others (which may wait for it in a collective) are
+  stopped a few seconds later rather than at the deadline.
+  """
+  env = dict(os.environ,
+             XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu",
+             TF_CPP_MIN_LOG_LEVEL="1",  # XLA's warnings, not its info lines
+             PYTHONPATH=os.pathsep.join(
+                 [str(TESTS.parent), os.environ.get("PYTHONPATH", "")]))
+  port = free_port()
+  procs = [subprocess.Popen(
+      [sys.executable, str(WORKER), str(i), str(num_processes), str(port)],
+      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      for i in range(num_processes)]
+  deadline = time.monotonic() + timeout_s
+  failed_at = None
+  try:
+    while any(p.poll() is None for p in procs):
+      now = time.monotonic()
+      if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+        failed_at = now
+      if now > deadline or (failed_at is not None and now > failed_at + 10):
+        break
+      time.sleep(0.1)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  results = []
+  for p in procs:
+    out, err = p.communicate()
+    results.append((p.returncode, out, err))
+  return results
+
+
+def test_multiprocess_clip_by_global_norm():
+  start = time.monotonic()
+  results = run_processes(NUM_PROCESSES, TIMEOUT_S)
+  elapsed = time.monotonic() - start
+  report = "\n".join(
+      f"--- process {i}: exit {rc} after {elapsed:.0f}s\n{out}\n{err[-4000:]}"
+      for i, (rc, out, err) in enumerate(results))
+  assert all(rc == 0 for rc, _, _ in results), report
+  for _, out, err in results:
+    assert [l for l in out.splitlines() if l.startswith("ok ")] == CHECKS, report
+    assert "involuntary full rematerialization" not in err.lower(), report
