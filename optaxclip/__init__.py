@@ -8,23 +8,51 @@ and ``optaxclip.functional`` holds the pure functions they are built on.
 """
 
 from optaxclip import functional as functional
+from optaxclip._adagc import AdaGCState as AdaGCState
+from optaxclip._adagc import adagc as adagc
+from optaxclip._agc import AGCState as AGCState
+from optaxclip._agc import adaptive_grad_clip as adaptive_grad_clip
+from optaxclip._autoclip import AutoClipState as AutoClipState
+from optaxclip._autoclip import auto_clip as auto_clip
+from optaxclip._loss_scale import LossScaleState as LossScaleState
+from optaxclip._loss_scale import dynamic_loss_scale as dynamic_loss_scale
+from optaxclip._loss_scale import loss_scale as loss_scale
 from optaxclip._nonfinite import NonFiniteGradientError as NonFiniteGradientError
 from optaxclip._norm_clipping import ClipState as ClipState
 from optaxclip._norm_clipping import clip_by_global_norm as clip_by_global_norm
 from optaxclip._norm_clipping import clip_by_norm as clip_by_norm
 from optaxclip._norm_clipping import clip_grad_norm as clip_grad_norm
+from optaxclip._skip import SkipState as SkipState
+from optaxclip._skip import SkipStats as SkipStats
+from optaxclip._skip import skip_step as skip_step
 from optaxclip._stats import stats as stats
 from optaxclip._value import clip_by_value as clip_by_value
+from optaxclip._zclip import ZClipState as ZClipState
+from optaxclip._zclip import zclip as zclip
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AGCState",
+    "AdaGCState",
+    "AutoClipState",
     "ClipState",
+    "LossScaleState",
     "NonFiniteGradientError",
+    "SkipState",
+    "SkipStats",
+    "ZClipState",
+    "adagc",
+    "adaptive_grad_clip",
+    "auto_clip",
     "clip_by_global_norm",
     "clip_by_norm",
     "clip_by_value",
     "clip_grad_norm",
+    "dynamic_loss_scale",
     "functional",
+    "loss_scale",
+    "skip_step",
     "stats",
+    "zclip",
 ]

@@ -105,6 +105,15 @@ def _leaf_specs(fn: str, tree: PyTree, specs: PyTree) -> list[Any]:
       leaf_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
 
 
+def clippable_leaf_specs(fn: str, tree: PyTree, specs: PyTree) -> list[Any]:
+  """The PartitionSpec of every clippable leaf (None each when no specs)."""
+  if specs is None:
+    return [None] * len(_tree.clippable_leaves(tree))
+  return [spec for spec, leaf in zip(_leaf_specs(fn, tree, specs),
+                                     jax.tree.leaves(tree))
+          if _tree.is_clippable(leaf)]
+
+
 def make_reduction(fn: str, tree: PyTree, axis_name: Any,
                    specs: PyTree) -> Reduction:
   """The reduction for ``tree``'s clippable leaves given the user's options."""
@@ -142,8 +151,8 @@ def _integer_power(p: Any) -> int | None:
   return int(p)
 
 
-def _abs(x: jax.Array, acc: jnp.dtype) -> jax.Array:
-  # |x| of a complex leaf in its own precision avoids a complex upcast.
+def magnitude(x: jax.Array, acc: jnp.dtype) -> jax.Array:
+  """``|x|`` in ``acc``; a complex leaf's in its own precision (no upcast)."""
   return jnp.abs(x).astype(acc) if jnp.iscomplexobj(x) else jnp.abs(x.astype(acc))
 
 
@@ -158,7 +167,7 @@ def _pow(a: jax.Array, p: float) -> jax.Array:
   return jnp.where(positive, jnp.where(positive, a, 1) ** p, 0)
 
 
-def _root(s: jax.Array, p: float) -> jax.Array:
+def safe_root(s: jax.Array, p: float) -> jax.Array:
   """``s ** (1/p)`` for ``s >= 0`` (NaN stays NaN), finite gradient at 0."""
   if _is_order(p, 1):
     return s
@@ -236,14 +245,14 @@ def _rows_of(vector: jax.Array, rows, ndim: int) -> jax.Array:
 def _elementwise_power(x: jax.Array, p: Any, acc: jnp.dtype) -> jax.Array:
   """``|x| ** p`` in ``acc`` (``|x|`` for ``inf``), without a sqrt for p=2."""
   if _is_order(p, math.inf):
-    return _abs(x, acc)
+    return magnitude(x, acc)
   if _is_order(p, 2) and not jnp.iscomplexobj(x):
     y = x.astype(acc)
     return y * y
   if _is_order(p, 2):
     re, im = jnp.real(x).astype(acc), jnp.imag(x).astype(acc)
     return re * re + im * im
-  return _pow(_abs(x, acc), p)
+  return _pow(magnitude(x, acc), p)
 
 
 def _reducer(p: Any):
@@ -260,17 +269,29 @@ def _power_sums(leaves, p, acc, reduction: Reduction) -> jax.Array:
   return reduction.sum(partials)
 
 
-def _halves(exponent: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-  """Two normal floats whose product is ``2 ** exponent``.
+def _power_of_two_halves(exponent: jax.Array,
+                         dtype) -> tuple[jax.Array, jax.Array]:
+  """Two normal floats whose product is ``2 ** exponent``, built from bits.
 
   XLA multiplies by the reciprocal when dividing by a scalar, and the
   reciprocal of a huge maximum (above 2**126) is subnormal, flushed to zero.
   Two power-of-two factors stay normal over the whole float range and
-  multiply exactly.
+  multiply exactly; setting their exponent bits costs two ops where
+  ``jnp.ldexp`` costs twenty.
   """
+  info = jnp.finfo(dtype)
+  integer = jnp.int64 if info.bits == 64 else jnp.int32
+  exponent = exponent.astype(integer)
   half = exponent // 2
-  one = jnp.ones([], dtype)
-  return jnp.ldexp(one, half), jnp.ldexp(one, exponent - half)
+  return tuple(
+      lax.bitcast_convert_type((part + info.maxexp - 1) << info.nmant, dtype)
+      for part in (half, exponent - half))
+
+
+def times_power_of_two(x: jax.Array, exponent: jax.Array) -> jax.Array:
+  """``x * 2**exponent``, exactly, over the whole range of the float."""
+  low, high = _power_of_two_halves(exponent, x.dtype)
+  return x * low * high
 
 
 def _rescaled_sums(leaves, p, acc, reduction, *, shared: bool):
@@ -286,18 +307,13 @@ def _rescaled_sums(leaves, p, acc, reduction, *, shared: bool):
   usable = jnp.isfinite(maxima) & (maxima > 0)
   _, exponents = jnp.frexp(jnp.where(usable, maxima, 1))
   exponents = jnp.where(usable, exponents, 0)
-  low, high = _halves(-exponents, acc)
+  low, high = _power_of_two_halves(-exponents, acc)
 
   def scaled_power(x, rows):
     factors = _rows_of(low, rows, x.ndim), _rows_of(high, rows, x.ndim)
-    return _pow(_abs(x, acc) * factors[0] * factors[1], p)
+    return _pow(magnitude(x, acc) * factors[0] * factors[1], p)
 
   return exponents, usable, reduction.sum(_per_leaf(leaves, scaled_power, jnp.sum))
-
-
-def _times_power_of_two(x: jax.Array, exponent: jax.Array) -> jax.Array:
-  low, high = _halves(exponent, x.dtype)
-  return x * low * high
 
 
 def _precision_floor(leaves, acc, reduction: Reduction) -> jax.Array:
@@ -363,11 +379,11 @@ def leaf_norms(leaves, p, reduction):
   def rescaled():
     exponents, usable, scaled = _rescaled_sums(leaves, p, acc, reduction,
                                                shared=False)
-    return jnp.where(usable, _times_power_of_two(_root(scaled, p), exponents),
-                     _root(sums, p))
+    return jnp.where(usable, times_power_of_two(safe_root(scaled, p), exponents),
+                     safe_root(sums, p))
 
   unsafe = _needs_rescaling(sums, _precision_floor(leaves, acc, reduction))
-  return lax.cond(unsafe, rescaled, lambda: _root(sums, p))
+  return lax.cond(unsafe, rescaled, lambda: safe_root(sums, p))
 
 
 @_by_order
@@ -384,11 +400,11 @@ def norm_of_leaves(leaves, p, reduction):
   def rescaled():
     exponents, usable, scaled = _rescaled_sums(leaves, p, acc, reduction,
                                                shared=True)
-    norm = _times_power_of_two(_root(jnp.sum(scaled), p), exponents[0])
-    return jnp.where(usable[0], norm, _root(total, p))
+    norm = times_power_of_two(safe_root(jnp.sum(scaled), p), exponents[0])
+    return jnp.where(usable[0], norm, safe_root(total, p))
 
   unsafe = _needs_rescaling(total, _precision_floor(leaves, acc, reduction))
-  return lax.cond(unsafe, rescaled, lambda: _root(total, p))
+  return lax.cond(unsafe, rescaled, lambda: safe_root(total, p))
 
 
 def global_norm(tree: PyTree, ord: float | str = 2, *, axis_name: Any = None,

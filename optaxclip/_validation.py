@@ -110,3 +110,62 @@ def check_axis_name(fn: str, value: Any) -> tuple[Any, ...]:
           f"{_where(fn, 'axis_name')} must be an axis name or a tuple of "
           f"axis names, got {value!r}")
   return tuple(names)
+
+
+def check_positive(fn: str, arg: str, value: Any) -> Any:
+  """A finite number > 0; JAX arrays pass unchecked."""
+  check_nonnegative(fn, arg, value)
+  if not _is_jax_value(value) and float(value) == 0:
+    raise ValueError(f"{_where(fn, arg)} must be a finite number > 0, got {value!r}")
+  return value
+
+
+def check_unit_interval(fn: str, arg: str, value: Any, *,
+                        include_one: bool = True) -> Any:
+  """A number in [0, 1] (or [0, 1)); JAX arrays pass unchecked."""
+  check_nonnegative(fn, arg, value)
+  if _is_jax_value(value):
+    return value
+  number = float(value)
+  if number > 1 or (number == 1 and not include_one):
+    interval = "[0, 1]" if include_one else "[0, 1)"
+    raise ValueError(f"{_where(fn, arg)} must be a number in {interval}, got {value!r}")
+  return value
+
+
+def check_integer(fn: str, arg: str, value: Any, minimum: int) -> Any:
+  """An int >= ``minimum``; a scalar JAX array (injected) passes."""
+  if _is_jax_value(value):
+    check_scalar_array(fn, arg, value)
+    return value
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+    raise TypeError(f"{_where(fn, arg)} must be an int >= {minimum}, got "
+                    f"{value!r} of type {type(value).__name__}")
+  if value < minimum:
+    raise ValueError(f"{_where(fn, arg)} must be an int >= {minimum}, got {value!r}")
+  return value
+
+
+def check_buffer_size(fn: str, arg: str, value: Any) -> int | None:
+  """A state buffer's length: an int >= 1, or None when traced.
+
+  ``optax.inject_hyperparams`` turns every int argument into an array. A
+  concrete one is read; a traced one (inside ``jit``) gives None, and the
+  transform then reads the length from its state's buffer.
+  """
+  if _is_jax_value(value):
+    check_scalar_array(fn, arg, value)
+    if isinstance(value, jax.core.Tracer):
+      return None
+    value = value.item()
+  return int(check_integer(fn, arg, value, 1))
+
+
+def require_buffer_size(fn: str, arg: str, size: int | None) -> int:
+  """``size``, or an error when it was traced at ``init``."""
+  if size is None:
+    raise TypeError(
+        f"{_where(fn, arg)} sets the shape of the state, so `init` needs its "
+        f"value; with optax.inject_hyperparams list it in static_args "
+        f"(static_args=({arg!r},)) or call init outside jit")
+  return size

@@ -4,16 +4,24 @@ No state, no optax: usable under ``jit``, ``vmap`` (per-example clipping),
 ``shard_map`` and ``pmap``, and outside any optimizer.
 """
 
+from optaxclip._agc import adaptive_grad_clip_fn as adaptive_grad_clip
 from optaxclip._norm_clipping import clip_by_global_norm_fn as clip_by_global_norm
 from optaxclip._norm_clipping import clip_by_norm_fn as clip_by_norm
 from optaxclip._norms import all_finite as all_finite
 from optaxclip._norms import global_norm as global_norm
+from optaxclip._per_example import PerExampleClip as PerExampleClip
+from optaxclip._per_example import per_example_clip_by_global_norm as per_example_clip_by_global_norm
+from optaxclip._per_example import per_example_clip_by_layer_norm as per_example_clip_by_layer_norm
 from optaxclip._value import clip_by_value_fn as clip_by_value
 
 __all__ = [
+    "PerExampleClip",
+    "adaptive_grad_clip",
     "all_finite",
     "clip_by_global_norm",
     "clip_by_norm",
     "clip_by_value",
     "global_norm",
+    "per_example_clip_by_global_norm",
+    "per_example_clip_by_layer_norm",
 ]

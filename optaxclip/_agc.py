@@ -1,0 +1,367 @@
+"""Adaptive gradient clipping (AGC): unit-wise, relative to the parameters.
+
+Each "unit" of a leaf (an output unit of a linear or conv kernel) is clipped
+so that its gradient norm is at most ``clipping`` times its parameter norm
+(floored at ``eps``). Units follow ``optax.adaptive_grad_clip``: scalars and
+vectors (after squeezing) are one unit, 2-D and 3-D leaves reduce over axis 0
+(linear ``IO``, multi-head), 4-D over axes 0-2 (conv ``HWIO``), 5-D over
+axes 0-3 (conv 3-D ``DHWIO``); ``axis=`` overrides.
+
+Unit norms are accumulated in float32 whatever the leaf dtype. When a sum of
+squares overflows (entries above ~1.8e19), and only then (a ``lax.cond``),
+each unit is rescaled by a power of two first, so finite leaves get finite
+norms. Under ``shard_map`` the partial sums of units split across devices
+are added with one all-reduce per set of mesh axes.
+"""
+
+import functools
+import numbers
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import numpy as np
+import optax
+from optax._src import base as optax_base
+
+from optaxclip import _norms
+from optaxclip import _stats
+from optaxclip import _tree
+from optaxclip import _validation
+
+PyTree = Any
+
+# optax's unitwise_clip divides by max(norm, 1e-6): kept for equal numbers.
+DIV_EPS = 1e-6
+
+
+class AGCState(NamedTuple):
+  """State of ``adaptive_grad_clip``; every field is a scalar."""
+  clipped_fraction: jax.Array  # float32: fraction of units clipped last step
+  clipped_units: jax.Array  # int32: units clipped last step
+  scale: jax.Array  # float32: smallest unit factor applied last step
+  count: jax.Array  # int32: steps seen
+  clipped_count: jax.Array  # int32: steps with a finite norm and a unit clipped
+  nonfinite_count: jax.Array  # int32: steps with a NaN or Inf update norm
+
+
+def _summarize(state: AGCState) -> dict[str, jax.Array]:
+  rate = state.clipped_count / jnp.maximum(state.count, 1)
+  return {**state._asdict(), "clip_rate": rate.astype(jnp.float32)}
+
+
+_stats.register(AGCState, "agc", _summarize)
+
+
+def _check_axis(fn: str, axis: Any) -> tuple[int, ...] | None:
+  if axis is None:
+    return None
+  if isinstance(axis, jax.Array):
+    raise TypeError(
+        f"`{fn}(axis=...)` chooses the reduction axes and must be static; "
+        f"with optax.inject_hyperparams list it in static_args "
+        f"(static_args=('axis',)), got a traced {axis!r}")
+  axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+  if not all(isinstance(a, numbers.Integral)
+             and not isinstance(a, (bool, np.bool_)) for a in axes):
+    raise TypeError(f"`{fn}(axis=...)` must be None, an int or a tuple of "
+                    f"ints, got {axis!r}")
+  return tuple(int(a) for a in axes)
+
+
+def _unit_axes(fn: str, path: str, x: Any, axis: tuple[int, ...] | None
+               ) -> tuple[int, ...]:
+  """The axes one unit of ``x`` spans (reduced), as optax chooses them."""
+  ndim = len(x.shape)
+  if ndim == 0:
+    return ()
+  if axis is not None:
+    if any(not -ndim <= a < ndim for a in axis):
+      raise ValueError(
+          f"`{fn}(axis={axis})` is out of range for leaf {path} of shape "
+          f"{tuple(x.shape)}")
+    return tuple(sorted({a % ndim for a in axis}))
+  if sum(d != 1 for d in x.shape) <= 1:  # scalars and vectors: one unit
+    return tuple(range(ndim))
+  if ndim in (2, 3):  # linear IO, multi-head linear
+    return (0,)
+  if ndim == 4:  # conv HWIO
+    return (0, 1, 2)
+  if ndim == 5:  # conv 3-D DHWIO
+    return (0, 1, 2, 3)
+  raise ValueError(
+      f"`{fn}`: leaf {path} has shape {tuple(x.shape)}; units are known for "
+      f"up to 5 dimensions, pass `axis=` (the axes one unit spans) for others")
+
+
+def _dim_axes(spec: Any, dim: int, axis_names: tuple[Any, ...]) -> set[Any]:
+  """The named mesh axes that split dimension ``dim`` of a leaf."""
+  if spec is None or dim >= len(spec) or spec[dim] is None:
+    return set()
+  entry = spec[dim]
+  return set(entry if isinstance(entry, tuple) else (entry,)) & set(axis_names)
+
+
+class _Layout(NamedTuple):
+  """Where each leaf's units live: the axes to reduce and devices to sum.
+
+  Hashable, so the unit norms compile once per layout when called eagerly.
+  """
+  axes: tuple[tuple[int, ...], ...]  # per leaf: the dimensions a unit spans
+  summed: tuple[tuple[Any, ...], ...]  # per leaf: mesh axes splitting a unit
+  counting: _norms.Reduction  # counts each unit once across devices
+
+
+def _layout(fn: str, tree: PyTree, axis: Any, axis_name: Any,
+            specs: PyTree) -> _Layout:
+  # Validates axis_name and specs as every norm-based transform does.
+  reduction = _norms.make_reduction(fn, tree, axis_name, specs)
+  axis_names = reduction.axis_names
+  with_paths = _tree.clippable_leaves_with_paths(tree)
+  leaf_specs = _norms.clippable_leaf_specs(fn, tree, specs)
+  axes, summed, replicated = [], [], []
+  for (path, x), spec in zip(with_paths, leaf_specs):
+    unit_axes = _unit_axes(fn, path, x, axis)
+    splitting = [_dim_axes(spec, d, axis_names) for d in range(len(x.shape))]
+    reduced = set().union(*(splitting[d] for d in unit_axes))
+    kept = set().union(*(s for d, s in enumerate(splitting)
+                         if d not in unit_axes))
+    axes.append(unit_axes)
+    summed.append(tuple(a for a in axis_names if a in reduced))
+    replicated.append(tuple(a for a in axis_names if a not in kept))
+  return _Layout(tuple(axes), tuple(summed),
+                 _norms.Reduction(axis_names, tuple(replicated)))
+
+
+def _all_reduce(values: list[jax.Array], summed: Sequence[tuple[Any, ...]],
+                op) -> list[jax.Array]:
+  """``op`` (psum/pmax) of each value over its axes: one call per axis set."""
+  out = list(values)
+  groups: dict[tuple[Any, ...], list[int]] = {}
+  for i, names in enumerate(summed):
+    if names:
+      groups.setdefault(names, []).append(i)
+  for names, rows in groups.items():
+    flat = op(jnp.concatenate([values[i].reshape(-1) for i in rows]), names)
+    offset = 0
+    for i in rows:
+      out[i] = flat[offset:offset + values[i].size].reshape(values[i].shape)
+      offset += values[i].size
+  return out
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _unit_norms(leaves: list[jax.Array], layout: _Layout) -> list[jax.Array]:
+  """Each leaf's unit norms, shaped to broadcast against it (keepdims)."""
+  axis_names = layout.counting.axis_names
+
+  def sums_of(values):
+    return [jnp.sum(v * v, axis=a, keepdims=True)
+            for v, a in zip(values, layout.axes)]
+
+  magnitudes = [_norms.magnitude(x, _tree.accumulation_dtype([x]))
+                for x in leaves]
+  sums = _all_reduce(sums_of(magnitudes), layout.summed, lax.psum)
+  overflow = jnp.any(jnp.stack([jnp.any(~(s < jnp.inf)) for s in sums]))
+  if axis_names:  # every device takes the same branch (it holds collectives)
+    overflow = lax.pmax(overflow.astype(jnp.int32), axis_names) > 0
+
+  def plain():
+    return [_norms.safe_root(s, 2) for s in sums]
+
+  def rescaled():
+    # Divide each unit by a power of two just above its largest entry, sum,
+    # and multiply back: exact scalings, so only the rounding of the sum
+    # remains.
+    maxima = _all_reduce([jnp.max(m, axis=a, keepdims=True, initial=0)
+                          for m, a in zip(magnitudes, layout.axes)],
+                         layout.summed, lax.pmax)
+    scaled_sums, exponents = [], []
+    for m, peak, a in zip(magnitudes, maxima, layout.axes):
+      usable = jnp.isfinite(peak) & (peak > 0)
+      _, exponent = jnp.frexp(jnp.where(usable, peak, 1))
+      exponent = jnp.where(usable, exponent, 0)
+      scaled = _norms.times_power_of_two(m, -exponent)
+      scaled_sums.append(jnp.sum(scaled * scaled, axis=a, keepdims=True))
+      exponents.append(exponent)
+    scaled_sums = _all_reduce(scaled_sums, layout.summed, lax.psum)
+    return [_norms.times_power_of_two(_norms.safe_root(t, 2), e)
+            for t, e in zip(scaled_sums, exponents)]
+
+  return lax.cond(overflow, rescaled, plain)
+
+
+def _clip(fn: str, updates: PyTree, params: PyTree, clipping: Any, eps: Any,
+          axis: Any, axis_name: Any, specs: PyTree):
+  """The clipped updates and ``(clipped units, units, min factor, finite)``."""
+  layout = _layout(fn, updates, axis, axis_name, specs)
+  axis_names = layout.counting.axis_names
+  grads = _tree.clippable_leaves(updates)
+  weights = _tree.clippable_leaves(params)
+  if len(weights) != len(grads):
+    raise ValueError(
+        f"`{fn}`: the params have {len(weights)} floating leaves but the "
+        f"updates have {len(grads)}; they must have the same structure")
+  if not grads:
+    one, zero = jnp.ones([], jnp.float32), jnp.zeros([], jnp.float32)
+    return updates, (zero, zero, one, jnp.bool_(True))
+  # Gradients and parameters together: one all-reduce, one overflow check.
+  both = _Layout(layout.axes * 2, layout.summed * 2, layout.counting)
+  norms = _unit_norms(grads + weights, both)
+  grad_norms, param_norms = norms[:len(grads)], norms[len(grads):]
+  clipping = jnp.asarray(clipping, jnp.float32)
+  factors = []
+  for g, p in zip(grad_norms, param_norms):
+    limit = clipping * jnp.maximum(p, jnp.asarray(eps, p.dtype))
+    # optax: unclipped when g < limit, else limit / max(g, 1e-6).
+    factors.append(jnp.where(g < limit, 1, limit / jnp.maximum(g, DIV_EPS)))
+  leaves, treedef = jax.tree.flatten(updates)
+  factor_of = iter(factors)
+  clipped = [(x * next(factor_of)).astype(x.dtype) if _tree.is_clippable(x)
+             else x for x in leaves]
+  # Statistics, each unit counted once across devices.
+  hits = jnp.stack([jnp.sum(f < 1, dtype=jnp.float32) for f in factors])
+  units = jnp.asarray([f.size for f in factors], jnp.float32)
+  clipped_units, all_units = jnp.sum(
+      layout.counting.sum(jnp.stack([hits, units])), axis=1)
+  smallest = jnp.min(jnp.stack([jnp.min(f, initial=1.0) for f in factors]))
+  finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grad_norms]))
+  if axis_names:
+    smallest = -lax.pmax(-smallest, axis_names)
+    finite = lax.pmin(finite.astype(jnp.int32), axis_names) > 0
+  stats = (clipped_units, all_units, smallest, finite)
+  return treedef.unflatten(clipped), stats
+
+
+def _check(fn: str, clipping: Any, eps: Any, axis: Any, axis_name: Any,
+           specs: PyTree) -> tuple[int, ...] | None:
+  _validation.check_nonnegative(fn, "clipping", clipping)
+  _validation.check_nonnegative(fn, "eps", eps)
+  axes = _check_axis(fn, axis)
+  if _validation.check_axis_name(fn, axis_name) and specs is None:
+    raise ValueError(
+        f"`{fn}(axis_name=...)` needs `specs`: whether a unit's norm is summed "
+        f"across devices depends on which dimensions of each leaf are split")
+  return axes
+
+
+def adaptive_grad_clip_fn(updates: PyTree, params: PyTree, clipping: Any, *,
+                          eps: Any = 1e-3, axis: Any = None,
+                          axis_name: Any = None, specs: PyTree = None
+                          ) -> PyTree:
+  """Clips each unit of ``updates`` to ``clipping`` times its parameter norm.
+
+  A unit ``u`` with gradient norm ``g`` and parameter norm ``w`` is
+  multiplied by ``limit / g`` when ``g >= limit = clipping * max(w, eps)``:
+  ``optax.adaptive_grad_clip``'s numbers (units as in the module docstring),
+  with norms accumulated in float32 and safe from overflow.
+
+  Args:
+    updates: a pytree of gradients.
+    params: the parameters, with the structure of ``updates``.
+    clipping: the largest ratio of gradient norm to parameter norm (>= 0).
+    eps: the floor of the parameter norm, so zero-initialised parameters
+      can still move (>= 0).
+    axis: the axes one unit spans (an int or a tuple), for every leaf;
+      None chooses them from each leaf's rank, as Optax does.
+    axis_name: under ``shard_map``/``pmap``, the axis name(s) leaves are split
+      over; needs ``specs``.
+    specs: with ``axis_name``, the leaves' ``PartitionSpec`` (tree prefix);
+      ``params`` are split as ``updates``. A unit's partial norms are summed
+      over the mesh axes that split one of its reduced dimensions.
+
+  Returns:
+    The clipped updates, with each leaf's dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from optaxclip.functional import adaptive_grad_clip as adaptive_grad_clip_fn
+    >>> params = {"w": jnp.array([[1.0, 1.0], [0.0, 1.0]])}
+    >>> grads = {"w": jnp.array([[3.0, 0.1], [4.0, 0.1]])}
+    >>> adaptive_grad_clip_fn(grads, params, 0.1)["w"]  # column 0 cut to 0.1
+    Array([[0.06, 0.1 ],
+           [0.08, 0.1 ]], dtype=float32)
+
+  References:
+    Brock et al., `High-Performance Large-Scale Image Recognition Without
+    Normalization <https://arxiv.org/abs/2102.06171>`_, 2021.
+  """
+  fn = "adaptive_grad_clip"
+  axes = _check(fn, clipping, eps, axis, axis_name, specs)
+  clipped, _ = _clip(fn, updates, params, clipping, eps, axes, axis_name, specs)
+  return clipped
+
+
+def adaptive_grad_clip(clipping: Any, *, eps: Any = 1e-3, axis: Any = None,
+                       axis_name: Any = None, specs: PyTree = None
+                       ) -> optax.GradientTransformation:
+  """Clips each unit's update to ``clipping`` times its parameter norm (AGC).
+
+  ``optax.adaptive_grad_clip``'s numbers and units (there ``eps`` and
+  ``axis`` may be positional), with a state that counts the clipped units for
+  logging (read it with ``optaxclip.stats``), float32 norms for
+  half-precision leaves, finite norms for huge gradients, and ``shard_map``
+  support. ``update`` needs ``params``; a NaN or Inf gradient propagates, as
+  in Optax, and is counted in ``nonfinite_count``.
+
+  Args:
+    clipping: the largest ratio of gradient norm to parameter norm (>= 0);
+      the paper's NFNets use 0.01 at batch size 4096.
+    eps: the floor of the parameter norm (>= 0).
+    axis: the axes one unit spans (an int or a tuple), for every leaf;
+      None chooses them from each leaf's rank, as Optax does.
+    axis_name: under ``shard_map``/``pmap``, the axis name(s) leaves are split
+      over; needs ``specs``.
+    specs: with ``axis_name``, the leaves' ``PartitionSpec`` (tree prefix);
+      the params are split as the updates.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is an ``AGCState``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> from optaxclip import adaptive_grad_clip
+    >>> tx = optax.chain(adaptive_grad_clip(0.1), optax.sgd(1.0))
+    >>> params = {"w": jnp.array([[1.0, 1.0], [0.0, 1.0]])}
+    >>> grads = {"w": jnp.array([[3.0, 0.1], [4.0, 0.1]])}
+    >>> updates, state = tx.update(grads, tx.init(params), params)
+    >>> updates["w"][:, 0]
+    Array([-0.06, -0.08], dtype=float32)
+    >>> state[0].clipped_fraction
+    Array(0.5, dtype=float32)
+
+  References:
+    Brock et al., `High-Performance Large-Scale Image Recognition Without
+    Normalization <https://arxiv.org/abs/2102.06171>`_, 2021.
+  """
+  fn = "adaptive_grad_clip"
+  axes = _check(fn, clipping, eps, axis, axis_name, specs)
+
+  def init_fn(params):
+    del params
+    zero = jnp.zeros([], jnp.int32)
+    return AGCState(clipped_fraction=jnp.zeros([], jnp.float32),
+                    clipped_units=zero, scale=jnp.ones([], jnp.float32),
+                    count=zero, clipped_count=zero, nonfinite_count=zero)
+
+  def update_fn(updates, state, params=None):
+    if params is None:
+      raise ValueError(optax_base.NO_PARAMS_MSG)
+    clipped, (hits, units, smallest, finite) = _clip(
+        fn, updates, params, clipping, eps, axes, axis_name, specs)
+    increment = optax.safe_int32_increment
+    new_state = AGCState(
+        clipped_fraction=(hits / jnp.maximum(units, 1)).astype(jnp.float32),
+        clipped_units=hits.astype(jnp.int32),
+        scale=smallest.astype(jnp.float32),
+        count=increment(state.count),
+        clipped_count=jnp.where(finite & (hits > 0),
+                                increment(state.clipped_count),
+                                state.clipped_count),
+        nonfinite_count=jnp.where(finite, state.nonfinite_count,
+                                  increment(state.nonfinite_count)))
+    return clipped, new_state
+
+  return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,184 @@
+"""AutoClip: clip to a percentile of the gradient norms seen so far.
+
+Each step appends the global L2 norm to a history and clips with PyTorch's
+``clip_grad_norm_`` semantics to ``numpy.percentile(history, percentile)``
+(linear interpolation). The history is a fixed-size ring buffer in the state:
+the same numbers as the unbounded reference while ``step <= history``, after
+which the oldest norm makes room for the newest.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optaxclip import _norm_clipping
+from optaxclip import _norms
+from optaxclip import _stats
+from optaxclip import _tree
+from optaxclip import _validation
+
+PyTree = Any
+
+
+class AutoClipState(NamedTuple):
+  """State of ``auto_clip``: a ring buffer of norms and scalar statistics."""
+  norms: jax.Array  # float32 [history]: past finite norms (ring buffer)
+  position: jax.Array  # int32: the slot the next norm is written to
+  size: jax.Array  # int32: how many slots hold a norm (<= history)
+  norm: jax.Array  # float32: pre-clip global norm of the last update
+  threshold: jax.Array  # float32: the percentile the last update was clipped to
+  scale: jax.Array  # float32: factor applied last step (1.0 = not clipped)
+  count: jax.Array  # int32: steps seen
+  clipped_count: jax.Array  # int32: steps with a finite norm and scale < 1
+  nonfinite_count: jax.Array  # int32: steps whose norm was NaN or Inf
+
+
+def _summarize(state: AutoClipState) -> dict[str, jax.Array]:
+  rate = state.clipped_count / jnp.maximum(state.count, 1)
+  return {"norm": state.norm, "threshold": state.threshold,
+          "scale": state.scale, "count": state.count,
+          "clipped_count": state.clipped_count,
+          "nonfinite_count": state.nonfinite_count,
+          "clip_rate": rate.astype(jnp.float32)}
+
+
+_stats.register(AutoClipState, "auto_clip", _summarize)
+
+
+def percentile_of_prefix(values: jax.Array, size: jax.Array,
+                         q: jax.Array) -> jax.Array:
+  """``numpy.percentile(values[:size], q)`` (linear) for a traced ``size``.
+
+  Slots at or past ``size`` sort last as ``+inf``; the result interpolates
+  between the two order statistics around index ``(size - 1) * q / 100``,
+  written as numpy's ``_lerp`` is (from the nearer end). ``+inf`` when
+  ``size == 0``. ``size * 100`` must fit in an int32.
+  """
+  valid = jnp.arange(values.shape[0]) < size
+  ordered = jnp.sort(jnp.where(valid, values, jnp.inf))
+  last = jnp.maximum(size - 1, 0)
+  # The index (size - 1) * q / 100, split into its integer part and weight
+  # with integer arithmetic where it can be exact: in plain float32 the
+  # weight would be off by ~1e-5 at a few hundred entries, and the threshold
+  # by that times the gap between two neighbouring norms.
+  whole = jnp.floor(q)
+  fraction = last.astype(jnp.float32) * (q - whole)  # in [0, size - 1)
+  fraction_whole = jnp.floor(fraction)
+  hundredths = last * whole.astype(jnp.int32) + fraction_whole.astype(jnp.int32)
+  low_index = jnp.minimum(hundredths // 100, last)
+  weight = ((hundredths % 100).astype(jnp.float32) +
+            (fraction - fraction_whole)) / 100
+  low = ordered[low_index]
+  high = ordered[jnp.minimum(low_index + 1, last)]
+  difference = high - low  # 0 when low and high are the same slot
+  value = jnp.where(weight >= 0.5, high - difference * (1 - weight),
+                    low + difference * weight)
+  return jnp.where(size > 0, value, jnp.inf)
+
+
+def _check_percentile(fn: str, percentile: Any) -> None:
+  _validation.check_nonnegative(fn, "percentile", percentile)
+  if not isinstance(percentile, jax.Array) and float(percentile) > 100:
+    raise ValueError(
+        f"`{fn}(percentile=...)` must be a number in [0, 100], got "
+        f"{percentile!r}")
+
+
+def auto_clip(percentile: Any = 10.0, *, history: int = 1000,
+              eps: Any = 1e-6, axis_name: Any = None,
+              specs: PyTree = None) -> optax.GradientTransformation:
+  """Clips to a percentile of the gradient norms seen so far (AutoClip).
+
+  Each step appends the global L2 norm of the updates to the history, takes
+  the ``percentile``-th percentile of the history (``numpy.percentile`` with
+  linear interpolation, current norm included) as the threshold, and scales
+  the updates by ``min(1, threshold / (norm + eps))``, as the reference's
+  ``torch.nn.utils.clip_grad_norm_`` does. The history keeps the last
+  ``history`` finite norms: the numbers are the reference's while
+  ``step <= history``. A NaN or Inf norm propagates into the update, as in
+  the reference, but is kept out of the history (it would poison every
+  later percentile) and counted in ``nonfinite_count``.
+
+  Args:
+    percentile: the percentile of past norms to clip to, in [0, 100]; the
+      paper uses 10.
+    history: how many past norms to keep (an int >= 1); fixes the state's
+      shape. With ``optax.inject_hyperparams`` and a jitted ``init``, list it
+      in ``static_args``.
+    eps: added to the norm before dividing (1e-6: PyTorch's
+      ``clip_grad_norm_``).
+    axis_name: under ``shard_map``/``pmap``, the axis name(s) the updates are
+      split over: the norm is global across devices, with one all-reduce.
+    specs: with ``axis_name``, the updates' ``PartitionSpec`` (tree prefix):
+      replicated leaves count once.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is an ``AutoClipState``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from optaxclip import auto_clip
+    >>> tx = auto_clip(50.0)
+    >>> state = tx.init({"w": jnp.zeros(2)})
+    >>> for norm in (1.0, 3.0, 2.0, 10.0):
+    ...   updates, state = tx.update({"w": jnp.array([0.0, norm])}, state)
+    >>> state.threshold  # median of 1, 3, 2 and 10
+    Array(2.5, dtype=float32)
+    >>> updates["w"]
+    Array([0. , 2.5], dtype=float32)
+
+  References:
+    Seetharaman et al., `AutoClip: Adaptive Gradient Clipping for Source
+    Separation Networks <https://arxiv.org/abs/2007.14469>`_, 2020.
+  """
+  fn = "auto_clip"
+  _check_percentile(fn, percentile)
+  size = _validation.check_buffer_size(fn, "history", history)
+  _validation.check_nonnegative(fn, "eps", eps)
+  _validation.check_axis_name(fn, axis_name)
+
+  def init_fn(params):
+    del params
+    zero = jnp.zeros([], jnp.int32)
+    length = _validation.require_buffer_size(fn, "history", size)
+    return AutoClipState(
+        norms=jnp.zeros([length], jnp.float32),
+        position=zero, size=zero,
+        norm=jnp.zeros([], jnp.float32),
+        threshold=jnp.zeros([], jnp.float32),
+        scale=jnp.ones([], jnp.float32),
+        count=zero, clipped_count=zero, nonfinite_count=zero)
+
+  def update_fn(updates, state, params=None):
+    del params
+    reduction = _norms.make_reduction(fn, updates, axis_name, specs)
+    leaves = _tree.clippable_leaves(updates)
+    norm = _norms.norm_of_leaves(leaves, 2, reduction).astype(jnp.float32)
+    finite = jnp.isfinite(norm)
+    # The length comes from the state: under inject_hyperparams `history`
+    # is traced here.
+    length = state.norms.shape[0]
+    norms = jnp.where(finite, state.norms.at[state.position].set(norm),
+                      state.norms)
+    filled = jnp.where(finite, jnp.minimum(state.size + 1, length), state.size)
+    position = jnp.where(finite, (state.position + 1) % length, state.position)
+    threshold = percentile_of_prefix(norms, filled,
+                                     jnp.asarray(percentile, jnp.float32))
+    factor = _norm_clipping.clip_factor(norm, threshold, eps)
+    increment = optax.safe_int32_increment
+    new_state = AutoClipState(
+        norms=norms, position=position.astype(jnp.int32),
+        size=filled.astype(jnp.int32),
+        norm=norm, threshold=threshold.astype(jnp.float32),
+        scale=factor.astype(jnp.float32),
+        count=increment(state.count),
+        clipped_count=jnp.where(finite & (factor < 1),
+                                increment(state.clipped_count),
+                                state.clipped_count),
+        nonfinite_count=jnp.where(finite, state.nonfinite_count,
+                                  increment(state.nonfinite_count)))
+    return _norm_clipping.scale_leaves(updates, factor), new_state
+
+  return optax.GradientTransformation(init_fn, update_fn)

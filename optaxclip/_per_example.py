@@ -1,0 +1,223 @@
+"""Per-example clipping for differentially private SGD.
+
+Every leaf carries a leading batch axis: row ``i`` of every leaf is example
+``i``'s gradient. Each example is clipped by its own norm (of all leaves
+together, or of each leaf) and the clipped examples are summed, as in
+``optax.per_example_global_norm_clip`` and
+``optax.per_example_layer_norm_clip``: same numbers, plus each example's
+pre-clip norm for logging. The norms are the library's (``jax.vmap`` over the
+one norm implementation): accumulated in float32 whatever the leaf dtype and
+overflow-safe. The sums are accumulated in float32 too (at full precision on
+every backend) and each leaf keeps its dtype.
+
+The result is a ``PerExampleClip`` named tuple ``(summed, num_clipped,
+norms)``: code written for optax's pair swaps with one more name,
+``summed, num_clipped, norms = ...`` (or ``...[:2]``).
+"""
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from optaxclip import _norm_clipping
+from optaxclip import _norms
+from optaxclip import _tree
+from optaxclip import _validation
+
+PyTree = Any
+
+
+class PerExampleClip(NamedTuple):
+  """What the per-example clippers return."""
+  summed: PyTree  # the sum over the batch of the clipped examples: each
+  #                 leaf without its batch axis, in its own dtype
+  num_clipped: Any  # int32 scalar: examples that were clipped (per layer:
+  #                   a tree of them, one per leaf, as optax)
+  norms: Any  # float32 [batch]: each example's pre-clip norm (per layer: a
+  #             tree of them, one per leaf)
+
+
+def _check_max_norm(fn: str, value: Any) -> None:
+  # inf is allowed, as in optax: no clipping, only the sum and the norms.
+  if isinstance(value, (int, float)) and value == math.inf:
+    return
+  _validation.check_nonnegative(fn, "max_norm", value)
+
+
+def _batch_size(fn: str, leaves: list[jax.Array]) -> int:
+  """The common leading axis of ``leaves``, or a ValueError naming them."""
+  if not leaves:
+    return 0
+  sizes = {x.shape[0] if x.ndim else None for x in leaves}
+  if len(sizes) != 1 or None in sizes:
+    shapes = [tuple(x.shape) for x in leaves]
+    raise ValueError(
+        f"`{fn}(grads=...)` needs a leading batch axis of the same size on "
+        f"every floating leaf (example i's gradient is row i), got shapes "
+        f"{shapes}")
+  return sizes.pop()
+
+
+def _factors(norms: jax.Array, max_norm: Any) -> jax.Array:
+  """Per-example factors; an example with a NaN norm is not clipped.
+
+  As optax (``nan_to_num(min(c / norm, 1), nan=1)``): its NaN then reaches
+  the sum, where it belongs. ``c = norm = 0`` and ``c = norm = inf`` give 1.
+  """
+  factors = _norm_clipping.clip_factor(norms, max_norm, 0.0)
+  return jnp.where(jnp.isnan(norms), jnp.ones_like(factors), factors)
+
+
+def _weighted_sum(factors: jax.Array, x: jax.Array) -> jax.Array:
+  """``sum_i factors[i] * x[i]`` accumulated in float32 at least."""
+  acc = jnp.promote_types(x.dtype, factors.dtype)
+  total = jnp.tensordot(factors.astype(acc), x, axes=1,
+                        precision=jax.lax.Precision.HIGHEST,
+                        preferred_element_type=acc)
+  return total.astype(x.dtype)
+
+
+def _sum_clipped(tree: PyTree, factors_of) -> PyTree:
+  """Each clippable leaf summed over the batch with its factors."""
+  leaves, treedef = jax.tree.flatten(tree)
+  out, index = [], 0
+  for x in leaves:
+    if _tree.is_clippable(x):
+      out.append(_weighted_sum(factors_of(index), x))
+      index += 1
+    else:
+      out.append(x)
+  return treedef.unflatten(out)
+
+
+def _per_leaf_tree(tree: PyTree, values: list[Any], fill: Any) -> PyTree:
+  """``values`` at the clippable leaves of ``tree``, ``fill`` elsewhere."""
+  leaves, treedef = jax.tree.flatten(tree)
+  it = iter(values)
+  return treedef.unflatten(
+      [next(it) if _tree.is_clippable(x) else fill for x in leaves])
+
+
+def per_example_clip_by_global_norm(grads: PyTree, max_norm: Any, *,
+                                    ord: Any = 2, axis_name: Any = None,
+                                    specs: PyTree = None) -> PerExampleClip:
+  """Clips each example's gradient by its global norm and sums them.
+
+  Example ``i`` (row ``i`` of every leaf) is multiplied by
+  ``min(1, max_norm / norm_i)``, ``norm_i`` being the ``ord``-norm of all its
+  leaves together, and the clipped examples are summed: the numbers of
+  ``optax.per_example_global_norm_clip(grads, max_norm)``, the first step of
+  DP-SGD's aggregation. Integer, boolean and ``None`` leaves pass through
+  untouched.
+
+  Args:
+    grads: a pytree of per-example gradients, every floating leaf with the
+      same leading batch axis.
+    max_norm: the largest norm an example keeps (a number >= 0, or ``inf``).
+    ord: the norm order: any number ``p > 0`` or ``inf`` (DP-SGD uses 2).
+    axis_name: under ``shard_map``/``pmap``, the axis name(s) the leaves'
+      non-batch axes are split over: the norms are then global.
+    specs: with ``axis_name``, the leaves' ``PartitionSpec`` (tree prefix).
+
+  Returns:
+    ``PerExampleClip(summed, num_clipped, norms)``: the summed clipped tree
+    (no batch axis, each leaf's dtype), the number of clipped examples (int32)
+    and each example's pre-clip norm (float32 ``[batch]``).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from optaxclip.functional import per_example_clip_by_global_norm
+    >>> grads = [jnp.array([[0.0, 0.0, 0.0], [0.0, 3.0, 4.0], [4.0, 0.0, 3.0]])]
+    >>> summed, num_clipped, norms = per_example_clip_by_global_norm(grads, 1.25)
+    >>> summed, num_clipped, norms
+    ([Array([1. , 0.75, 1.75], dtype=float32)], Array(2, dtype=int32), Array([0., 5., 5.], dtype=float32))
+
+  References:
+    Abadi et al., `Deep Learning with Differential Privacy
+    <https://arxiv.org/abs/1607.00133>`_, 2016.
+  """
+  fn = "per_example_clip_by_global_norm"
+  _check_max_norm(fn, max_norm)
+  p = _validation.check_ord(fn, ord)
+  reduction = _norms.make_reduction(fn, grads, axis_name, specs)
+  leaves = _tree.clippable_leaves(grads)
+  batch = _batch_size(fn, leaves)
+  if not leaves:
+    return PerExampleClip(grads, jnp.zeros([], jnp.int32),
+                          jnp.zeros([batch], jnp.float32))
+  norms = jax.vmap(lambda rows: _norms.norm_of_leaves(rows, p, reduction))(leaves)
+  factors = _factors(norms, max_norm)
+  summed = _sum_clipped(grads, lambda index: factors)
+  num_clipped = jnp.sum(factors < 1, dtype=jnp.int32)
+  return PerExampleClip(summed, num_clipped, norms)
+
+
+def per_example_clip_by_layer_norm(grads: PyTree, max_norm: Any, *,
+                                   uniform: bool = True, axis_name: Any = None,
+                                   specs: PyTree = None) -> PerExampleClip:
+  """Clips each example's gradient leaf by leaf and sums them.
+
+  The numbers of ``optax.per_example_layer_norm_clip(grads, max_norm,
+  uniform)``: with ``K`` floating leaves (layers), leaf ``k`` of every
+  example is clipped by its own L2 norm to ``C_k = max_norm / sqrt(K)``
+  (``uniform``) or ``C_k = max_norm * sqrt(D_k / D)`` (``D_k`` the leaf's
+  size per example, ``D`` the total), so that each example's global norm is
+  at most ``max_norm``. Then the examples are summed.
+
+  Args:
+    grads: a pytree of per-example gradients, every floating leaf with the
+      same leading batch axis.
+    max_norm: the overall budget ``C`` (a number >= 0, or ``inf``).
+    uniform: split ``C`` evenly over the leaves, or by their sizes.
+    axis_name: under ``shard_map``/``pmap``, the axis name(s) the leaves'
+      non-batch axes are split over.
+    specs: with ``axis_name``, the leaves' ``PartitionSpec`` (tree prefix).
+
+  Returns:
+    ``PerExampleClip(summed, num_clipped, norms)``: the summed clipped tree,
+    and trees like ``grads`` holding, per leaf, the number of examples
+    clipped (int32) and each example's pre-clip norm (float32 ``[batch]``).
+    Non-floating leaves pass through ``summed`` untouched, with 0 clipped
+    and zero norms.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from optaxclip.functional import per_example_clip_by_layer_norm
+    >>> grads = {"a": jnp.array([[3.0, 4.0], [0.3, 0.4]]), "b": jnp.array([[1.0], [0.0]])}
+    >>> summed, num_clipped, norms = per_example_clip_by_layer_norm(grads, 2.0**0.5)
+    >>> summed["a"], num_clipped, norms["a"]
+    (Array([0.90000004, 1.2 ], dtype=float32), {'a': Array(1, dtype=int32), 'b': Array(0, dtype=int32)}, Array([5. , 0.5], dtype=float32))
+
+  References:
+    McMahan et al., `Learning Differentially Private Recurrent Language
+    Models <https://arxiv.org/abs/1710.06963>`_, 2018.
+  """
+  fn = "per_example_clip_by_layer_norm"
+  _check_max_norm(fn, max_norm)
+  if not isinstance(uniform, bool):
+    raise TypeError(f"`{fn}(uniform=...)` must be a bool, got {uniform!r}")
+  reduction = _norms.make_reduction(fn, grads, axis_name, specs)
+  leaves = _tree.clippable_leaves(grads)
+  batch = _batch_size(fn, leaves)
+  if not leaves:
+    return PerExampleClip(grads,
+                          _per_leaf_tree(grads, [], jnp.zeros([], jnp.int32)),
+                          _per_leaf_tree(grads, [], jnp.zeros([0], jnp.float32)))
+  # The thresholds as optax writes them, for the same rounding.
+  if uniform:
+    thresholds = [max_norm * (1.0 / len(leaves)) ** 0.5] * len(leaves)
+  else:
+    total = sum(x[0].size for x in leaves)
+    thresholds = [max_norm * (x[0].size / total) ** 0.5 for x in leaves]
+  norms = jax.vmap(lambda rows: _norms.leaf_norms(rows, 2.0, reduction))(leaves)
+  factors = [_factors(norms[:, k], c) for k, c in enumerate(thresholds)]
+  summed = _sum_clipped(grads, lambda index: factors[index])
+  counts = [jnp.sum(f < 1, dtype=jnp.int32) for f in factors]
+  zero_norms = jnp.zeros([batch], norms.dtype)
+  return PerExampleClip(
+      summed,
+      _per_leaf_tree(grads, counts, jnp.zeros([], jnp.int32)),
+      _per_leaf_tree(grads, [norms[:, k] for k in range(len(leaves))],
+                     zero_norms))

@@ -1,0 +1,243 @@
+"""Skipping whole optimizer steps: non-finite gradients, norm spikes.
+
+``skip_step(inner)`` wraps an optimizer. A step whose gradients hold NaN or
+Inf, whose global norm exceeds ``max_norm``, or whose norm is an outlier
+against a running mean and standard deviation (z-score above ``zscore``)
+gives zero updates and leaves the inner state exactly as it was: moments,
+step counts and schedules do not move, as if the batch had never been seen.
+This is what large language-model trainings do against loss spikes (AXLearn's
+``skip_and_clip_by_global_norm``, OLMo's skip-step optimizer).
+
+The running statistics are exponential moving averages of the norm and of
+its squared deviation, fed only by steps that were not skipped (a spike must
+not raise the bar for the next one), with bias correction so that they are
+exact weighted means from the first step: after ``n`` accepted norms
+``g_0..g_{n-1}`` they are the mean and variance under weights
+``ema_decay ** (n - 1 - i)``. Spikes are only looked for once
+``warmup_steps`` norms have been accepted.
+
+Everything is decided on the device: the inner update always runs and the
+results are selected with ``jnp.where``, so there is no host sync, no
+callback and no Python branch on values; a skipped inner state is
+bit-identical to the one before.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optaxclip import _loss_scale
+from optaxclip import _norms
+from optaxclip import _stats
+from optaxclip import _tree
+from optaxclip import _validation
+
+PyTree = Any
+
+
+class SkipStats(NamedTuple):
+  """The counters and statistics of ``skip_step``; every field is a scalar."""
+  norm: jax.Array  # float32: global norm of the last gradients (unscaled)
+  count: jax.Array  # int32: steps seen
+  skipped_count: jax.Array  # int32: steps skipped, for any reason
+  nonfinite_count: jax.Array  # int32: steps whose norm was NaN or Inf
+  max_norm_count: jax.Array  # int32: finite steps with norm > max_norm
+  zscore_count: jax.Array  # int32: finite steps with a z-score > zscore
+  #                          (after warm-up); a step may count in both
+  ema_count: jax.Array  # int32: accepted steps that fed the statistics
+  norm_mean: jax.Array  # float32: EMA of the accepted norms
+  norm_var: jax.Array  # float32: EMA of their squared deviation
+
+
+class SkipState(NamedTuple):
+  """State of ``skip_step``: its statistics and the wrapped optimizer's."""
+  stats: SkipStats  # read by optaxclip.stats as "skip/<field>"
+  inner_state: Any  # the inner optimizer's state
+
+
+def _summarize(stats: SkipStats) -> dict[str, jax.Array]:
+  rate = stats.skipped_count / jnp.maximum(stats.count, 1)
+  return {**stats._asdict(), "norm_std": jnp.sqrt(stats.norm_var),
+          "skip_rate": rate.astype(jnp.float32)}
+
+
+_stats.register(SkipStats, "skip", _summarize)
+
+
+def _init_stats() -> SkipStats:
+  zero = jnp.zeros([], jnp.int32)
+  zero_f = jnp.zeros([], jnp.float32)
+  return SkipStats(norm=zero_f, count=zero, skipped_count=zero,
+                   nonfinite_count=zero, max_norm_count=zero,
+                   zscore_count=zero, ema_count=zero, norm_mean=zero_f,
+                   norm_var=zero_f)
+
+
+def _moments(norm, mean, var, count, decay):
+  """The EMA mean and variance after one more accepted ``norm``.
+
+  ``d = decay * (1 - decay**n) / (1 - decay**(n+1))`` with ``n`` norms seen
+  so far is the bias-corrected decay (Shazeer & Stern 2018, sec. 7.1): 0 for
+  the first norm, so the statistics never depend on their initial value.
+  The variance uses the incremental form ``d * (var + (1 - d) * delta**2)``,
+  free of the cancellation of ``E[g**2] - E[g]**2``.
+  """
+  decay = jnp.asarray(decay, jnp.float32)
+  n = count.astype(jnp.float32)
+  d = decay * (1 - decay**n) / (1 - decay**(n + 1))
+  delta = norm - mean
+  return mean + (1 - d) * delta, d * (var + (1 - d) * delta * delta)
+
+
+def _keep_unless_loss_scale(skip: jax.Array, new: PyTree, old: PyTree) -> PyTree:
+  """``old`` where ``skip``, leaf by leaf; loss-scale states always advance."""
+  def select(n, o):
+    if _loss_scale.is_loss_scale_state(n):
+      return n  # an overflow's back-off must stick
+    return jnp.where(skip, o, n)
+  return jax.tree.map(select, new, old,
+                      is_leaf=_loss_scale.is_loss_scale_state)
+
+
+def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
+              max_norm: Any = None, zscore: Any = None,
+              ema_decay: Any = 0.99, warmup_steps: Any = 100, ord: Any = 2,
+              axis_name: Any = None, specs: PyTree = None
+              ) -> optax.GradientTransformationExtraArgs:
+  """Skips whole optimizer steps on non-finite gradients and norm spikes.
+
+  Wraps ``inner`` (any optimizer or chain). A step is skipped when
+
+  - ``nonfinite`` and the gradients hold NaN or Inf;
+  - ``max_norm`` is set and the global norm ``g > max_norm``;
+  - ``zscore`` is set, at least ``warmup_steps`` (and at least one) norms
+    have been accepted, and ``g > mean + zscore * std`` (a z-score
+    ``(g - mean) / std`` above ``zscore``), with ``mean`` and ``std`` the
+    EMA statistics of the accepted norms (see the module docstring).
+
+  A skipped step returns zero updates and the inner state unchanged,
+  bit for bit. Accepted finite steps feed the statistics. Extra arguments
+  (``params``, ``value``, ...) are passed to ``inner``.
+
+  When ``inner`` holds a ``dynamic_loss_scale`` (at its head, as in
+  ``skip_step(optax.chain(dynamic_loss_scale(), optax.adamw(1e-3)))``), an
+  overflow skips the whole chain, the loss-scale state still advances (its
+  back-off sticks), and the norm is taken of the unscaled gradients.
+
+  A permanent rise of the norm level would be skipped for ever, since
+  skipped steps do not move the statistics: watch ``skip/skip_rate`` in
+  ``optaxclip.stats``.
+
+  Args:
+    inner: the optimizer whose steps may be skipped.
+    nonfinite: skip steps whose gradients hold NaN or Inf (a bool).
+    max_norm: skip steps whose global norm exceeds it (a number >= 0), or
+      None.
+    zscore: skip steps whose norm's z-score exceeds it (a number >= 0), or
+      None. Large runs use values around 6.
+    ema_decay: the EMA's weight of the past, in [0, 1); 0.99 averages over
+      about the last 100 accepted steps.
+    warmup_steps: accepted steps before the z-score test starts (an int
+      >= 0; the test needs at least one).
+    ord: the norm order: any number ``p > 0`` or ``inf``.
+    axis_name: under ``shard_map``/``pmap``, the axis name(s) the gradients
+      are split over: every device takes the same decision.
+    specs: with ``axis_name``, the gradients' ``PartitionSpec`` (tree
+      prefix): replicated leaves count once.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    ``SkipState``; its statistics show in ``optaxclip.stats`` as ``skip/...``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> from optaxclip import skip_step
+    >>> tx = skip_step(optax.adam(0.1), max_norm=10.0)
+    >>> params = {"w": jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": jnp.array([30.0, 40.0])}, state, params)
+    >>> updates["w"], state.stats.skipped_count, state.inner_state[0].count
+    (Array([0., 0.], dtype=float32), Array(1, dtype=int32), Array(0, dtype=int32))
+    >>> updates, state = tx.update({"w": jnp.array([jnp.nan, 1.0])}, state, params)
+    >>> state.stats.nonfinite_count, state.stats.skipped_count
+    (Array(1, dtype=int32), Array(2, dtype=int32))
+
+  References:
+    Chowdhery et al., `PaLM: Scaling Language Modeling with Pathways
+    <https://arxiv.org/abs/2204.02311>`_, 2022 (skipping batches around
+    loss spikes); OLMo Team, `2 OLMo 2 Furious
+    <https://arxiv.org/abs/2501.00656>`_, 2025.
+  """
+  fn = "skip_step"
+  if not (hasattr(inner, "init") and hasattr(inner, "update")):
+    raise TypeError(f"`{fn}(inner=...)` must be an optax GradientTransformation, "
+                    f"got {inner!r}")
+  if not isinstance(nonfinite, bool):
+    raise TypeError(f"`{fn}(nonfinite=...)` must be a bool, got {nonfinite!r}")
+  if max_norm is not None:
+    _validation.check_nonnegative(fn, "max_norm", max_norm)
+  if zscore is not None:
+    _validation.check_nonnegative(fn, "zscore", zscore)
+  _validation.check_unit_interval(fn, "ema_decay", ema_decay, include_one=False)
+  _validation.check_integer(fn, "warmup_steps", warmup_steps, 0)
+  p = _validation.check_ord(fn, ord)
+  _validation.check_axis_name(fn, axis_name)
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    return SkipState(stats=_init_stats(), inner_state=inner.init(params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    stats = state.stats
+    reduction = _norms.make_reduction(fn, updates, axis_name, specs)
+    leaves = _tree.clippable_leaves(updates)
+    # NaN or Inf in any leaf and only then: the norm is overflow-safe, so
+    # its finiteness is the gradients' (one pass for both questions).
+    norm = _norms.norm_of_leaves(leaves, p, reduction).astype(jnp.float32)
+    loss_scales = _loss_scale.find_loss_scale_states(state.inner_state)
+    if loss_scales:  # the input is scaled: judge the unscaled gradients
+      norm = norm / loss_scales[0].scale
+    finite = jnp.isfinite(norm)
+
+    skip = jnp.logical_not(finite) if nonfinite else jnp.bool_(False)
+    too_large = jnp.bool_(False)
+    if max_norm is not None:
+      too_large = finite & (norm > jnp.asarray(max_norm, jnp.float32))
+      skip = skip | too_large
+    spike = jnp.bool_(False)
+    if zscore is not None:
+      active = stats.ema_count >= jnp.maximum(warmup_steps, 1)
+      limit = jnp.asarray(zscore, jnp.float32) * jnp.sqrt(stats.norm_var)
+      spike = finite & active & (norm - stats.norm_mean > limit)
+      skip = skip | spike
+    accepted = finite & ~skip
+
+    new_updates, new_inner = inner.update(updates, state.inner_state, params,
+                                          **extra_args)
+    new_updates = jax.tree.map(
+        lambda u: jnp.where(skip, jnp.zeros_like(u), u), new_updates)
+    new_inner = _keep_unless_loss_scale(skip, new_inner, state.inner_state)
+
+    mean, var = _moments(norm, stats.norm_mean, stats.norm_var,
+                         stats.ema_count, ema_decay)
+    increment = optax.safe_int32_increment
+
+    def count_if(flag, counter):
+      return jnp.where(flag, increment(counter), counter)
+
+    new_stats = SkipStats(
+        norm=norm,
+        count=increment(stats.count),
+        skipped_count=count_if(skip, stats.skipped_count),
+        nonfinite_count=count_if(~finite, stats.nonfinite_count),
+        max_norm_count=count_if(too_large, stats.max_norm_count),
+        zscore_count=count_if(spike, stats.zscore_count),
+        ema_count=count_if(accepted, stats.ema_count),
+        norm_mean=jnp.where(accepted, mean, stats.norm_mean),
+        norm_var=jnp.where(accepted, var, stats.norm_var))
+    return new_updates, SkipState(stats=new_stats, inner_state=new_inner)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,259 @@
+"""ZClip: clip gradient-norm spikes found by a z-score against an EMA.
+
+During a warm-up the global L2 norms are collected (and clipped only at
+``max_grad_norm``, as ``torch.nn.utils.clip_grad_norm_`` does); their mean and
+population variance then start exponential moving averages. Afterwards a norm
+``g`` whose z-score ``(g - mean) / (std + eps)`` exceeds ``z_thresh`` is a
+spike, clipped to a threshold computed from the EMA, and the EMA is fed the
+threshold instead of the spike. The numbers follow the reference
+implementation (github.com/bluorion-com/ZClip), including its clip
+coefficient ``threshold / (g + 1e-6)``, applied when ``g > threshold``.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optaxclip import _norm_clipping
+from optaxclip import _norms
+from optaxclip import _stats
+from optaxclip import _tree
+from optaxclip import _validation
+
+PyTree = Any
+
+MODES = ("zscore", "percentile")
+CLIP_OPTIONS = ("adaptive_scaling", "mean")
+# The reference divides by norm + 1e-6 whatever its `eps` (which only guards
+# the z-score), in warm-up (clip_grad_norm_) and after it alike.
+COEFFICIENT_EPS = 1e-6
+
+
+class ZClipState(NamedTuple):
+  """State of ``zclip``: the warm-up buffer, the EMA and statistics."""
+  mean: jax.Array  # float32: EMA of the norm (0 until warm-up ends)
+  var: jax.Array  # float32: EMA of the squared deviation from the mean
+  warmup_norms: jax.Array  # float32 [warmup_steps]: norms seen in warm-up
+  collected: jax.Array  # int32: finite norms collected; warm-up ends when
+  #                       it reaches warmup_steps
+  norm: jax.Array  # float32: pre-clip global norm of the last update
+  z: jax.Array  # float32: z-score of the last norm (0 during warm-up)
+  threshold: jax.Array  # float32: norm the last update was clipped to (the
+  #                       norm itself when nothing applied)
+  scale: jax.Array  # float32: factor applied last step (1.0 = not clipped)
+  count: jax.Array  # int32: steps seen
+  clipped_count: jax.Array  # int32: steps with a finite norm and scale < 1
+  spike_count: jax.Array  # int32: steps detected as spikes (after warm-up)
+  nonfinite_count: jax.Array  # int32: steps whose norm was NaN or Inf
+
+
+def _summarize(state: ZClipState) -> dict[str, jax.Array]:
+  rate = state.clipped_count / jnp.maximum(state.count, 1)
+  return {"norm": state.norm, "mean": state.mean,
+          "std": jnp.sqrt(state.var), "z": state.z,
+          "threshold": state.threshold, "scale": state.scale,
+          "count": state.count, "clipped_count": state.clipped_count,
+          "spike_count": state.spike_count,
+          "nonfinite_count": state.nonfinite_count,
+          "clip_rate": rate.astype(jnp.float32)}
+
+
+_stats.register(ZClipState, "zclip", _summarize)
+
+
+def _safe_divide(numerator: jax.Array, denominator: jax.Array,
+                 at_zero: jax.Array) -> jax.Array:
+  """``numerator / denominator``, or ``at_zero`` where the denominator is 0."""
+  nonzero = denominator != 0
+  return jnp.where(nonzero, numerator / jnp.where(nonzero, denominator, 1),
+                   at_zero)
+
+
+def zclip(*, alpha: Any = 0.97, z_thresh: Any = 2.5,
+          max_grad_norm: Any = 1.0, eps: Any = 1e-6, warmup_steps: int = 25,
+          mode: str = "zscore", clip_option: str = "adaptive_scaling",
+          clip_factor: Any = 1.0, skip_update_on_spike: bool = False,
+          axis_name: Any = None, specs: PyTree = None
+          ) -> optax.GradientTransformation:
+  """Clips gradient-norm spikes detected by a z-score against an EMA (ZClip).
+
+  The first ``warmup_steps`` global L2 norms ``g`` are collected while the
+  updates are clipped at ``max_grad_norm`` only (factor
+  ``min(1, max_grad_norm / (g + 1e-6))``). Their mean and population
+  variance then start the EMA. From the next step on, with
+  ``std = sqrt(var)`` and ``z = (g - mean) / (std + eps)``:
+
+  - ``mode="zscore"``: ``g`` is a spike when ``z > z_thresh``; its threshold
+    is ``(mean + z_thresh**2 * std / z) * clip_factor``
+    (``clip_option="adaptive_scaling"``: larger spikes are cut closer to the
+    mean) or ``mean`` (``clip_option="mean"``);
+  - ``mode="percentile"``: ``g`` is a spike when it exceeds
+    ``mean + z_thresh * std``, which is also its threshold.
+
+  The threshold used is the spike's (or ``g`` itself when there is none),
+  capped at ``max_grad_norm`` unless that is None, and the updates are
+  multiplied by ``threshold / (g + 1e-6)`` when ``g > threshold``. The EMA
+  is then updated, mean first and the variance with the new mean, with the
+  spike's threshold (not capped) or with ``g``; with
+  ``skip_update_on_spike`` spikes leave it unchanged.
+
+  Same defaults and numbers as the reference implementation. One
+  difference: a NaN or Inf norm, which propagates into the update as in the
+  reference, is kept out of the warm-up buffer and the EMA (in the
+  reference it poisons every later step) and counted in ``nonfinite_count``.
+
+  Args:
+    alpha: EMA smoothing factor in [0, 1] (weight of the past).
+    z_thresh: the z-score above which a norm is a spike (>= 0); in
+      ``"percentile"`` mode, the number of standard deviations allowed.
+    max_grad_norm: an absolute cap on the norm (>= 0), applied in warm-up
+      and after it; None for no cap.
+    eps: added to the standard deviation in the z-score (>= 0).
+    warmup_steps: how many norms to collect before the EMA starts (an int
+      >= 1); fixes the state's shape. With ``optax.inject_hyperparams`` and
+      a jitted ``init``, list it in ``static_args``.
+    mode: ``"zscore"`` or ``"percentile"``.
+    clip_option: with ``mode="zscore"``, ``"adaptive_scaling"`` or
+      ``"mean"``.
+    clip_factor: multiplies the ``"adaptive_scaling"`` threshold (the
+      reference multiplies the whole threshold, mean included).
+    skip_update_on_spike: leave the EMA unchanged on spikes.
+    axis_name: under ``shard_map``/``pmap``, the axis name(s) the updates are
+      split over: the norm is global across devices, with one all-reduce.
+    specs: with ``axis_name``, the updates' ``PartitionSpec`` (tree prefix):
+      replicated leaves count once.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is a ``ZClipState``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from optaxclip import zclip
+    >>> tx = zclip(warmup_steps=3, max_grad_norm=None)
+    >>> state = tx.init([jnp.zeros(1)])
+    >>> for norm in (1.0, 1.2, 0.8, 10.0):  # a spike after the warm-up
+    ...   updates, state = tx.update([jnp.array([norm])], state)
+    >>> state.z > 2.5, state.spike_count
+    (Array(True, dtype=bool), Array(1, dtype=int32))
+    >>> updates[0]  # cut to mean + 2.5**2 * std / z
+    Array([1.0185], dtype=float32)
+
+  References:
+    Kumar et al., `ZClip: Adaptive Spike Mitigation for LLM Pre-Training
+    <https://arxiv.org/abs/2504.02507>`_, 2025.
+  """
+  fn = "zclip"
+  _validation.check_unit_interval(fn, "alpha", alpha)
+  _validation.check_nonnegative(fn, "z_thresh", z_thresh)
+  if max_grad_norm is not None:
+    _validation.check_nonnegative(fn, "max_grad_norm", max_grad_norm)
+  _validation.check_nonnegative(fn, "eps", eps)
+  size = _validation.check_buffer_size(fn, "warmup_steps", warmup_steps)
+  _validation.check_choice(fn, "mode", mode, MODES)
+  _validation.check_choice(fn, "clip_option", clip_option, CLIP_OPTIONS)
+  _validation.check_nonnegative(fn, "clip_factor", clip_factor)
+  if not isinstance(skip_update_on_spike, bool):
+    raise TypeError(f"`{fn}(skip_update_on_spike=...)` must be a bool, got "
+                    f"{skip_update_on_spike!r}")
+  _validation.check_axis_name(fn, axis_name)
+
+  def init_fn(params):
+    del params
+    zero = jnp.zeros([], jnp.int32)
+    zero_f = jnp.zeros([], jnp.float32)
+    length = _validation.require_buffer_size(fn, "warmup_steps", size)
+    return ZClipState(
+        mean=zero_f, var=zero_f,
+        warmup_norms=jnp.zeros([length], jnp.float32), collected=zero,
+        norm=zero_f, z=zero_f, threshold=zero_f,
+        scale=jnp.ones([], jnp.float32), count=zero, clipped_count=zero,
+        spike_count=zero, nonfinite_count=zero)
+
+  def spike_threshold(norm, mean, std, z):
+    """Whether ``norm`` is a spike, and the threshold it is cut to."""
+    z_limit = jnp.asarray(z_thresh, jnp.float32)
+    if mode == "percentile":
+      limit = mean + z_limit * std
+      return norm > limit, limit
+    if clip_option == "mean":
+      return z > z_limit, mean
+    # The reference's mean + z_thresh * std / (z / z_thresh), times
+    # clip_factor; z > z_thresh >= 0 wherever it is used.
+    eta = _safe_divide(z, z_limit, jnp.inf)
+    limit = mean + _safe_divide(z_limit * std, eta, 0.0)
+    return z > z_limit, limit * jnp.asarray(clip_factor, jnp.float32)
+
+  def update_fn(updates, state, params=None):
+    del params
+    reduction = _norms.make_reduction(fn, updates, axis_name, specs)
+    leaves = _tree.clippable_leaves(updates)
+    norm = _norms.norm_of_leaves(leaves, 2, reduction).astype(jnp.float32)
+    finite = jnp.isfinite(norm)
+    a = jnp.asarray(alpha, jnp.float32)
+
+    # Warm-up: collect the norm; the buffer's length is warmup_steps (read
+    # from the state: under inject_hyperparams the argument is traced here).
+    length = state.warmup_norms.shape[0]
+    warming = state.collected < length
+    collect = warming & finite
+    slot = jnp.minimum(state.collected, length - 1)
+    buffer = jnp.where(collect, state.warmup_norms.at[slot].set(norm),
+                       state.warmup_norms)
+    collected = state.collected + collect.astype(jnp.int32)
+    starts = warming & (collected >= length)
+    first_mean = jnp.mean(buffer)
+    first_var = jnp.mean(jnp.square(buffer - first_mean))
+
+    # After warm-up: z-score against the EMA.
+    std = jnp.sqrt(jnp.maximum(state.var, 0))
+    deviation = norm - state.mean
+    z = _safe_divide(deviation, std + jnp.asarray(eps, jnp.float32),
+                     jnp.where(deviation > 0, jnp.inf, 0.0))
+    spike, limit = spike_threshold(norm, state.mean, std, z)
+    spike = spike & ~warming
+    threshold = jnp.where(spike, limit, norm)
+    if max_grad_norm is not None:
+      threshold = jnp.minimum(threshold,
+                              jnp.asarray(max_grad_norm, jnp.float32))
+    coefficient = _safe_divide(threshold, norm + COEFFICIENT_EPS, 1.0)
+    factor = jnp.where(norm > threshold, coefficient, 1.0)
+    if max_grad_norm is not None:  # warm-up: torch's clip_grad_norm_
+      warm_factor = _norm_clipping.clip_factor(norm, max_grad_norm,
+                                               COEFFICIENT_EPS)
+    else:
+      warm_factor = jnp.ones([], jnp.float32)
+    factor = jnp.where(warming, warm_factor, factor)
+
+    # EMA: mean first, then the variance around the new mean. The new
+    # deviation observed - mean is alpha * (observed - old mean), written so
+    # to avoid a cancellation when the norm sits near the mean.
+    observed = jnp.where(spike, limit, norm)
+    mean = a * state.mean + (1 - a) * observed
+    var = a * state.var + (1 - a) * jnp.square(a * (observed - state.mean))
+    tracks = ~warming & finite
+    if skip_update_on_spike:
+      tracks = tracks & ~spike
+    mean = jnp.where(starts, first_mean, jnp.where(tracks, mean, state.mean))
+    var = jnp.where(starts, first_var, jnp.where(tracks, var, state.var))
+
+    increment = optax.safe_int32_increment
+    new_state = ZClipState(
+        mean=mean.astype(jnp.float32), var=var.astype(jnp.float32),
+        warmup_norms=buffer.astype(jnp.float32),
+        collected=collected.astype(jnp.int32),
+        norm=norm, z=jnp.where(warming, 0.0, z).astype(jnp.float32),
+        threshold=threshold.astype(jnp.float32),
+        scale=factor.astype(jnp.float32),
+        count=increment(state.count),
+        clipped_count=jnp.where(finite & (factor < 1),
+                                increment(state.clipped_count),
+                                state.clipped_count),
+        spike_count=jnp.where(spike, increment(state.spike_count),
+                              state.spike_count),
+        nonfinite_count=jnp.where(finite, state.nonfinite_count,
+                                  increment(state.nonfinite_count)))
+    return _norm_clipping.scale_leaves(updates, factor), new_state
+
+  return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,290 @@
+"""adagc: AdaGC against a float64 numpy restatement, and the contract.
+
+The reference follows the paper's Algorithm 1 step by step: global clipping
+at ``lambda_abs`` with a running minimum of each tensor's clipped norm during
+warm-up, then per-tensor clipping at ``lambda_rel * gamma_i`` with an EMA of
+the clipped norms. Run with ``-s`` to see the largest relative differences.
+"""
+
+import pickle
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optaxclip as oc
+from conftest import FLOAT_DTYPES
+from optaxclip._adagc import adagc
+from test_autoclip import STEPS, Largest, f64_leaves
+from test_contract import grads_like, signature
+
+SHAPES = {"b": (4,), "e": (6,), "w": (8, 4)}  # leaf order: b, e, w
+BASES = {"b": 0.1, "e": 3.0, "w": 1.0}  # typical norm of each tensor
+# step -> {tensor: multiplier}: spikes in one tensor, and in all at once.
+SPIKES = {5: {"w": 20.0}, 60: {"w": 30.0}, 100: {"b": 100.0}, 101: {"e": 10.0},
+          150: {"b": 50.0, "e": 50.0, "w": 50.0}}
+
+
+def gradient_steps(seed=7):
+  """Float32 gradient trees whose tensors have noisy norms and spikes."""
+  rng = np.random.default_rng(seed)
+  steps = []
+  for t in range(STEPS):
+    tree = {}
+    for name, shape in SHAPES.items():
+      x = rng.normal(size=shape)
+      norm = BASES[name] * (1 + 0.1 * rng.standard_normal())
+      norm *= SPIKES.get(t, {}).get(name, 1.0)
+      tree[name] = np.float32(x * norm / np.sqrt(np.sum(x ** 2)))
+    steps.append(tree)
+  return steps
+
+
+def reference(steps, lambda_abs=1.0, lambda_rel=1.05, beta=0.98,
+              warmup_steps=100):
+  """Algorithm 1 of the paper, with the first ``warmup_steps`` steps global."""
+  gamma = None
+  for t, tree in enumerate(steps):
+    leaves = f64_leaves(tree)
+    norms = np.array([np.sqrt(np.sum(x ** 2)) for x in leaves])
+    total = np.sqrt(np.sum(norms ** 2))
+    if t < warmup_steps:
+      factors = np.full(len(leaves), min(lambda_abs / total, 1.0))
+    else:
+      factors = np.minimum(lambda_rel * gamma / norms, 1.0)
+    clipped = [x * h for x, h in zip(leaves, factors)]
+    clipped_norms = np.array([np.sqrt(np.sum(x ** 2)) for x in clipped])
+    if t < warmup_steps:
+      gamma = clipped_norms if gamma is None else np.minimum(gamma, clipped_norms)
+    else:
+      gamma = beta * gamma + (1 - beta) * clipped_norms
+    yield {"norm": total, "factors": factors, "clipped": clipped,
+           "gamma": gamma.copy()}
+
+
+CONFIGS = {
+    "defaults": {},  # warm-up 100 steps of the 200
+    "short_warmup": {"warmup_steps": 20, "lambda_abs": 2.0, "beta": 0.9},
+    "tight": {"warmup_steps": 10, "lambda_rel": 1.0, "lambda_abs": 0.5},
+}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_matches_the_reference_step_by_step(config):
+  kwargs = CONFIGS[config]
+  steps = gradient_steps()
+  tx = adagc(**kwargs)
+  step = jax.jit(tx.update)
+  state = tx.init(steps[0])
+  largest = Largest()
+  clipped_steps = 0
+  for t, (tree, want) in enumerate(zip(steps, reference(steps, **kwargs))):
+    out, state = step(tree, state)
+    largest.check("norm", state.norm, want["norm"])
+    largest.check("gamma", state.gamma, want["gamma"])
+    largest.check("scale", state.scale, want["factors"].min())
+    for got, expected in zip(jax.tree.leaves(out), want["clipped"]):
+      largest.check("clipped gradient", got, expected)
+    assert int(state.clipped_tensors) == int(np.sum(want["factors"] < 1)), t
+    clipped_steps += bool(np.any(want["factors"] < 1))
+    assert (int(state.count), int(state.clipped_count)) == (t + 1, clipped_steps)
+  assert int(state.nonfinite_count) == 0
+  largest.report(f"adagc[{config}]")
+
+
+# --------------------------------------------------------------------------
+# The contract (as tests/test_contract.py for the core transforms). Not
+# applicable: idempotence (gamma moves every step) and "no-op below the
+# threshold" after the warm-up (the thresholds are learned).
+
+def make(**overrides):
+  return adagc(**{"warmup_steps": 2, "lambda_abs": 0.5, **overrides})
+
+
+def warm(tx, grads, steps=3):
+  state = tx.init(grads)
+  for k in range(steps):
+    _, state = jax.jit(tx.update)(jax.tree.map(lambda x: x * (1 + 0.1 * k), grads),
+                                  state)
+  return state
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_dtype_and_state_types_are_stable(dtype):
+  tx = make()
+  grads = grads_like(dtype)
+  state = tx.init(grads)
+  for update in (tx.update, jax.jit(tx.update)):
+    out, new_state = update(grads, state)
+    assert signature(out) == signature(grads)
+    assert signature(new_state) == signature(state)
+    assert not any(getattr(x, "weak_type", False)
+                   for x in jax.tree.leaves(new_state))
+
+
+def test_init_accepts_shape_dtype_structs():
+  tx = make()
+  grads = {**grads_like(), "step": jnp.zeros([], jnp.int32)}  # not a tensor
+  specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), grads)
+  state = jax.eval_shape(tx.init, specs)
+  assert signature(state) == signature(tx.init(grads))
+  assert state.gamma.shape == (3,)  # one per floating leaf
+  out = jax.eval_shape(tx.update, specs, tx.init(grads))[0]
+  assert jax.tree.map(lambda s: (s.shape, s.dtype), out) == \
+      jax.tree.map(lambda x: (x.shape, x.dtype), grads)
+
+
+def test_eager_and_jit_agree_and_clip():
+  tx = make()
+  grads = grads_like()
+  state = warm(tx, grads)
+  spike = {**grads, "norm": [grads["norm"][0] * 10]}  # one tensor spikes
+  eager, eager_state = tx.update(spike, state)
+  jitted, jit_state = jax.jit(tx.update)(spike, state)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+               (eager, eager_state), (jitted, jit_state))
+  assert int(jit_state.clipped_tensors) >= 1 and float(jit_state.scale) < 0.2
+
+
+def test_composes_with_chain_and_multisteps():
+  grads = grads_like(scale=3.0)
+  clipped, _ = make().update(grads, make().init(grads))
+  chained = optax.chain(make(), optax.sgd(1.0))
+  updates, _ = jax.jit(chained.update)(grads, chained.init(grads), grads)
+  jax.tree.map(lambda u, c: np.testing.assert_allclose(u, -c, rtol=1e-6),
+               updates, clipped)
+  multi = optax.MultiSteps(optax.chain(make(), optax.sgd(1.0)), every_k_schedule=2)
+  state = multi.init(grads)
+  step = jax.jit(multi.update)
+  updates, state = step(grads, state, grads)
+  assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates))
+  updates, state = step(grads, state, grads)
+  jax.tree.map(lambda u, c: np.testing.assert_allclose(u, -c, rtol=1e-5),
+               updates, clipped)
+  assert int(state.inner_opt_state[0].count) == 1
+
+
+def test_inject_hyperparams_thresholds():
+  grads = grads_like(scale=3.0)
+  injected = optax.inject_hyperparams(adagc)(warmup_steps=2, lambda_abs=0.5)
+  state = injected.init(grads)
+  step = jax.jit(injected.update)
+  out, _ = step(grads, state)
+  expected, _ = make().update(grads, make().init(grads))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), out, expected)
+  # A large lambda_abs turns the warm-up clipping off ...
+  state.hyperparams["lambda_abs"] = jnp.asarray(1e6, jnp.float32)
+  out, state = step(grads, state)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), out, grads)
+  _, state = step(grads, state)
+  # ... and after it lambda_rel sets each tensor's threshold: gamma * 0.5.
+  state.hyperparams["lambda_rel"] = jnp.asarray(0.5, jnp.float32)
+  gamma = np.asarray(state.inner_state.gamma)
+  out, _ = step(grads, state)
+  norms = [np.linalg.norm(np.asarray(x)) for x in jax.tree.leaves(out)]
+  np.testing.assert_allclose(norms, 0.5 * gamma, rtol=1e-5)
+
+
+def test_state_is_a_checkpointable_pytree():
+  tx = make()
+  grads = grads_like(scale=3.0)
+  state = warm(tx, grads)
+  leaves, treedef = jax.tree.flatten(state)
+  restored = pickle.loads(pickle.dumps(
+      jax.tree.unflatten(treedef, [np.asarray(x) for x in leaves])))
+  assert type(restored) is type(state)
+  restored = jax.tree.map(jnp.asarray, restored)
+  assert signature(restored) == signature(state)
+  again, _ = jax.jit(tx.update)(grads, restored)
+  expected, _ = jax.jit(tx.update)(grads, state)
+  jax.tree.map(np.testing.assert_array_equal, again, expected)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"lambda_abs": 0.0, "lambda_rel": 0.0}])
+def test_finite_at_zero(kwargs):
+  tx = make(**kwargs)
+  zeros = jax.tree.map(jnp.zeros_like, grads_like())
+  state = tx.init(zeros)
+  for _ in range(3):  # through the warm-up and after it
+    out, state = jax.jit(tx.update)(zeros, state)
+  assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(out))
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state))
+  out, _ = jax.jit(tx.update)(grads_like(), state)
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(out))
+  loss = lambda g: sum(jnp.sum(x) for x in jax.tree.leaves(tx.update(g, state)[0]))
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(jax.grad(loss)(zeros)))
+
+
+def test_nonfinite_norm_leaves_gamma_unchanged():
+  tx = make()
+  grads = grads_like()
+  state = warm(tx, grads)
+  bad = jax.tree.map(lambda x: x.at[0].set(jnp.inf), grads)
+  _, after = jax.jit(tx.update)(bad, state)
+  np.testing.assert_array_equal(after.gamma, state.gamma)
+  assert int(after.nonfinite_count) == 1
+  assert int(after.clipped_count) == int(state.clipped_count)
+
+
+def test_init_and_update_must_see_the_same_tensors():
+  tx = make()
+  state = tx.init({"a": jnp.ones(2)})
+  with pytest.raises(ValueError, match="adagc.*1 tensors.*2 floating leaves"):
+    tx.update({"a": jnp.ones(2), "b": jnp.ones(2)}, state)
+
+
+def test_stats_report_norm_thresholds_and_counts():
+  tx = optax.chain(make(), optax.sgd(0.1))
+  state = warm(tx, grads_like())
+  found = jax.jit(oc.stats)(state)
+  assert set(found) == {f"adagc/{k}" for k in (
+      "norm", "scale", "clipped_tensors", "gamma_min", "gamma_max", "count",
+      "clipped_count", "nonfinite_count", "clip_rate")}
+  assert int(found["adagc/count"]) == 3
+  assert 0 < float(found["adagc/gamma_min"]) <= float(found["adagc/gamma_max"])
+  assert all(v.shape == () for v in found.values())
+
+
+def test_shard_map_tensor_norms_are_global():
+  from jax import shard_map
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  rng = np.random.default_rng(8)
+  grads = {"w": rng.normal(size=(8, 12)).astype(np.float32),
+           "v": rng.normal(size=(6, 16)).astype(np.float32),
+           "b": rng.normal(size=(5,)).astype(np.float32)}
+  specs = {"w": P("data", "model"), "v": P(None, "model"), "b": P()}
+  tx = make(axis_name=("data", "model"), specs=specs)
+  step = jax.jit(shard_map(tx.update, mesh=mesh, in_specs=(specs, P()),
+                           out_specs=(specs, P())))
+  state = jax.device_put(tx.init(grads), NamedSharding(mesh, P()))
+  local = make()
+  local_state = local.init(grads)
+  for k in (3.0, 1.0, 1.0, 5.0):  # warm-up, then per-tensor clipping
+    tree = jax.tree.map(lambda x: x * k, grads)
+    sharded = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
+                           tree, specs)
+    out, state = step(sharded, state)
+    expected, local_state = jax.jit(local.update)(tree, local_state)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5),
+                 (out, state), (expected, local_state))
+
+
+BAD_ARGS = [
+    ("lambda_abs", -1.0, ValueError, "-1.0"),
+    ("lambda_rel", float("inf"), ValueError, "inf"),
+    ("beta", 1.5, ValueError, "1.5"),
+    ("warmup_steps", 0, ValueError, "0"),
+    ("warmup_steps", 1.5, TypeError, "1.5"),
+    ("eps", -1.0, ValueError, "-1.0"),
+    ("axis_name", 1.5, TypeError, "1.5"),
+]
+
+
+@pytest.mark.parametrize("arg,value,error,shown", BAD_ARGS)
+def test_bad_arguments_name_the_argument(arg, value, error, shown):
+  with pytest.raises(error) as info:
+    adagc(**{arg: value})
+  assert f"`adagc({arg}=...)`" in str(info.value) and shown in str(info.value)

@@ -1,0 +1,378 @@
+"""adaptive_grad_clip: Optax's numbers, a float64 restatement, and the contract.
+
+Run with ``-s`` to see the largest relative differences against the float64
+restatement of ``optax.transforms._clipping.unitwise_norm``/``unitwise_clip``.
+"""
+
+import pickle
+
+import jax
+import jax.numpy as jnp
+import hypothesis.extra.numpy as hnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import optaxclip as oc
+from conftest import FLOAT_DTYPES
+from optaxclip._agc import adaptive_grad_clip, adaptive_grad_clip_fn
+from test_autoclip import STEPS, Largest, f64_leaves, norm_sequence
+from test_contract import signature
+
+# Every kind of leaf optax distinguishes: scalar, vector, squeezable, linear
+# IO, multi-head, conv HWIO, conv 3-D DHWIO.
+LEAF_SHAPES = {"scalar": (), "vector": (5,), "row": (1, 5), "column": (5, 1, 1),
+               "linear": (4, 3), "heads": (2, 3, 4), "conv": (3, 3, 2, 4),
+               "conv3d": (2, 2, 2, 3, 4)}
+AT_LEAST_2D = {k: LEAF_SHAPES[k] for k in ("linear", "heads", "conv")}
+SOME = {k: LEAF_SHAPES[k] for k in ("vector", "linear", "conv")}
+CLIPPING = 0.1
+
+
+def tree_of(shapes, seed, scale=1.0, dtype=np.float32):
+  rng = np.random.default_rng(seed)
+  return {k: jnp.asarray(rng.normal(size=s) * scale, dtype) for k, s in shapes.items()}
+
+
+def np_unit_axes(shape, axis=None):
+  if axis is not None:
+    return axis
+  if len([d for d in shape if d != 1]) <= 1:
+    return tuple(range(len(shape)))
+  return {2: (0,), 3: (0,), 4: (0, 1, 2), 5: (0, 1, 2, 3)}[len(shape)]
+
+
+def np_agc(grads, params, clipping, eps=1e-3, axis=None):
+  """optax's unitwise_norm / unitwise_clip in float64: (clipped, factors)."""
+  clipped, factors = [], []
+  for g, p in zip(f64_leaves(grads), f64_leaves(params)):
+    axes = np_unit_axes(g.shape, axis)
+    g_norm = np.sqrt(np.sum(g ** 2, axis=axes, keepdims=True))
+    p_norm = np.sqrt(np.sum(p ** 2, axis=axes, keepdims=True))
+    limit = clipping * np.maximum(p_norm, eps)
+    factor = np.where(g_norm < limit, 1.0, limit / np.maximum(g_norm, 1e-6))
+    clipped.append(g * factor)
+    factors.append(factor)
+  return clipped, factors
+
+
+def optax_agc(grads, params, clipping, eps=1e-3, axis=None):
+  tx = optax.adaptive_grad_clip(clipping, eps, axis)
+  return tx.update(grads, tx.init(params), params)[0]
+
+
+def assert_tree_close(actual, expected, rtol):
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+    assert a.dtype == e.dtype and a.shape == e.shape
+    np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(e, np.float64),
+                               rtol=rtol, atol=0)
+
+
+_agc_fn = jax.jit(adaptive_grad_clip_fn, static_argnames="axis")
+_optax_fn = jax.jit(optax_agc, static_argnames="axis")
+
+
+@pytest.mark.parametrize("clipping", [0.01, 0.1, 1.0])
+def test_matches_optax_on_every_leaf_kind(clipping):
+  params = tree_of(LEAF_SHAPES, seed=0)
+  params["linear"] = params["linear"].at[:, 0].set(0.0)  # eps floors this unit
+  grads = tree_of(LEAF_SHAPES, seed=1, scale=0.3)
+  got = _agc_fn(grads, params, clipping)
+  assert_tree_close(got, _optax_fn(grads, params, clipping), rtol=1e-6)
+
+
+@pytest.mark.parametrize("axis", [0, -1, (0, 1)])
+def test_matches_optax_with_axis_given(axis):
+  params = tree_of(AT_LEAST_2D, seed=2)
+  grads = tree_of(AT_LEAST_2D, seed=3, scale=0.3)
+  got = _agc_fn(grads, params, CLIPPING, axis=axis)
+  expected = _optax_fn(grads, params, CLIPPING, axis=axis)
+  assert_tree_close(got, expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_matches_float64(dtype):
+  # optax computes half-precision norms in their own dtype; here they are
+  # float32 and the result is one rounding of the float64 numbers.
+  params = tree_of(SOME, seed=4, dtype=dtype)
+  grads = tree_of(SOME, seed=5, scale=0.3, dtype=dtype)
+  got = _agc_fn(grads, params, CLIPPING)
+  expected, _ = np_agc(grads, params, CLIPPING)
+  info = jnp.finfo(dtype)  # one rounding; subnormals keep less precision
+  for a, e in zip(jax.tree.leaves(got), expected):
+    assert a.dtype == dtype
+    np.testing.assert_allclose(np.asarray(a, np.float64), e,
+                               rtol=float(info.eps), atol=float(info.smallest_subnormal))
+
+
+def _floats(shape):
+  return hnp.arrays(np.float32, shape, elements=st.floats(
+      -1e3, 1e3, width=32, allow_subnormal=False))
+
+
+@settings(max_examples=40, deadline=None)
+@given(w=_floats((4, 3)), v=_floats((5,)), pw=_floats((4, 3)), pv=_floats((5,)),
+       clipping=st.floats(0, 10, width=32))
+def test_clipped_units_stay_within_their_limit(w, v, pw, pv, clipping):
+  # Invariants: each unit's norm ends at most clipping * max(|param|, eps),
+  # units under their limit are untouched, and directions are kept.
+  grads, params = {"v": v, "w": w}, {"v": pv, "w": pw}
+  out = _agc_fn(grads, params, clipping)
+  for x, y, p in zip(f64_leaves(grads), f64_leaves(out), f64_leaves(params)):
+    axes = np_unit_axes(x.shape)
+    unit_norm = lambda a: np.sqrt(np.sum(a ** 2, axis=axes, keepdims=True))
+    limit = clipping * np.maximum(unit_norm(p), 1e-3)
+    assert np.all(unit_norm(y) <= limit * (1 + 1e-5) + 1e-30)
+    under = unit_norm(x) < limit * (1 - 1e-5)  # clear of float32 rounding
+    np.testing.assert_array_equal(np.where(under, y - x, 0), 0)
+    assert np.all(y * x >= 0)
+
+
+def test_finite_for_huge_gradients():
+  # Squares of 1e20 overflow float32: optax then zeroes these units.
+  shapes = {"linear": (4, 3), "vector": (5,)}
+  params = tree_of(shapes, seed=6)
+  grads = tree_of(shapes, seed=7, scale=1e20)
+  got = _agc_fn(grads, params, CLIPPING)
+  expected, _ = np_agc(grads, params, CLIPPING)
+  for a, e in zip(jax.tree.leaves(got), expected):
+    np.testing.assert_allclose(np.asarray(a, np.float64), e, rtol=1e-6)
+
+
+def test_matches_the_float64_restatement_step_by_step():
+  # Gradients of norm ~1 with spikes against fixed parameters: the clipped
+  # updates and every statistic in the state, step by step.
+  shapes = {"b": (4,), "conv": (3, 3, 2, 4), "w": (8, 4)}
+  params = tree_of(shapes, seed=8, scale=0.5)
+  norms = norm_sequence(seed=9)
+  rng = np.random.default_rng(10)
+  tx = adaptive_grad_clip(0.3)
+  step = jax.jit(tx.update)
+  state = tx.init(params)
+  largest = Largest()
+  clipped_steps = 0
+  for t in range(STEPS):
+    grads = {k: jnp.asarray(rng.normal(size=s) * norms[t] / 20, jnp.float32)
+             for k, s in shapes.items()}
+    out, state = step(grads, state, params)
+    expected, factors = np_agc(grads, params, 0.3)
+    for got, want in zip(jax.tree.leaves(out), expected):
+      largest.check("clipped gradient", got, want)
+    hits = sum(int(np.sum(f < 1)) for f in factors)
+    units = sum(f.size for f in factors)
+    largest.check("scale", state.scale, min(f.min() for f in factors))
+    largest.check("clipped fraction", state.clipped_fraction, hits / units)
+    clipped_steps += hits > 0
+    assert (int(state.clipped_units), int(state.count), int(state.clipped_count)) \
+        == (hits, t + 1, clipped_steps), t
+  assert 0 < clipped_steps < STEPS
+  largest.report("adaptive_grad_clip(0.3)")
+
+
+def test_needs_params():
+  tx = adaptive_grad_clip(CLIPPING)
+  with pytest.raises(ValueError, match="not passing `params`"):
+    tx.update({"w": jnp.ones(3)}, tx.init(None))
+
+
+def test_shard_map_with_specs_matches_the_whole_tree():
+  from jax import shard_map
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  shapes = {"linear": (8, 12), "conv": (3, 3, 4, 8), "vector": (16,),
+            "replicated": (4, 6), "heads": (4, 2, 8)}
+  specs = {"linear": P("data", "model"),  # a unit split over data
+           "conv": P(None, None, "data", "model"),
+           "vector": P("model"),  # the one unit split over model
+           "replicated": P(),
+           "heads": P(None, "data", "model")}  # units split over devices
+  params = tree_of(shapes, seed=11)
+  grads = tree_of(shapes, seed=12, scale=0.1)
+  tx = adaptive_grad_clip(CLIPPING, axis_name=("data", "model"), specs=specs)
+  put = lambda tree: jax.tree.map(
+      lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
+  step = jax.jit(shard_map(tx.update, mesh=mesh, in_specs=(specs, P(), specs),
+                           out_specs=(specs, P())))
+  state = jax.device_put(tx.init(params), NamedSharding(mesh, P()))
+  out, state = step(put(grads), state, put(params))
+  local = adaptive_grad_clip(CLIPPING)
+  expected, expected_state = jax.jit(local.update)(grads, local.init(params), params)
+  assert_tree_close(out, expected, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+               state, expected_state)
+  assert 0 < float(state.clipped_fraction) < 1
+
+
+# --------------------------------------------------------------------------
+# The contract (as tests/test_contract.py for the core transforms).
+
+CONTRACT_SHAPES = {"w": (8, 4), "b": (4,)}
+
+
+def params_like(dtype=jnp.float32):
+  return tree_of(CONTRACT_SHAPES, seed=13, dtype=dtype)
+
+
+def grads_like(dtype=jnp.float32, scale=1.0):
+  return tree_of(CONTRACT_SHAPES, seed=14, scale=scale, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_dtype_and_state_types_are_stable(dtype):
+  tx = adaptive_grad_clip(CLIPPING)
+  grads, params = grads_like(dtype), params_like(dtype)
+  state = tx.init(params)
+  for update in (tx.update, jax.jit(tx.update)):
+    out, new_state = update(grads, state, params)
+    assert signature(out) == signature(grads)
+    assert signature(new_state) == signature(state)
+    assert not any(getattr(x, "weak_type", False)
+                   for x in jax.tree.leaves(new_state))
+
+
+def test_init_accepts_shape_dtype_structs():
+  tx = adaptive_grad_clip(CLIPPING)
+  params = params_like()
+  specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  assert signature(jax.eval_shape(tx.init, specs)) == signature(tx.init(params))
+  out = jax.eval_shape(tx.update, specs, tx.init(params), specs)[0]
+  assert jax.tree.map(lambda s: (s.shape, s.dtype), out) == \
+      jax.tree.map(lambda x: (x.shape, x.dtype), params)
+
+
+def test_eager_and_jit_agree_and_clip():
+  tx = adaptive_grad_clip(CLIPPING)
+  grads, params = grads_like(), params_like()
+  state = tx.init(params)
+  eager = tx.update(grads, state, params)
+  jitted = jax.jit(tx.update)(grads, state, params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), eager, jitted)
+  assert float(jitted[1].clipped_fraction) > 0.5
+
+
+def test_idempotent():
+  tx = adaptive_grad_clip(CLIPPING)
+  grads, params = grads_like(), params_like()
+  once, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  twice, _ = jax.jit(tx.update)(once, state, params)
+  assert_tree_close(twice, once, rtol=1e-5)
+
+
+def test_below_threshold_is_a_no_op():
+  tx = adaptive_grad_clip(CLIPPING)
+  grads = grads_like(scale=1e-4)
+  out, state = jax.jit(tx.update)(grads, tx.init(grads), params_like())
+  jax.tree.map(np.testing.assert_array_equal, out, grads)
+  assert float(state.clipped_fraction) == 0 and int(state.clipped_count) == 0
+
+
+def test_composes_with_chain_and_multisteps():
+  grads, params = grads_like(), params_like()
+  clipped = adaptive_grad_clip_fn(grads, params, CLIPPING)
+  chained = optax.chain(adaptive_grad_clip(CLIPPING), optax.sgd(1.0))
+  updates, _ = jax.jit(chained.update)(grads, chained.init(params), params)
+  jax.tree.map(lambda u, c: np.testing.assert_allclose(u, -c, rtol=1e-6),
+               updates, clipped)
+  multi = optax.MultiSteps(optax.chain(adaptive_grad_clip(CLIPPING), optax.sgd(1.0)),
+                           every_k_schedule=2)
+  state = multi.init(params)
+  step = jax.jit(multi.update)
+  updates, state = step(grads, state, params)
+  assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates))
+  updates, state = step(grads, state, params)
+  jax.tree.map(lambda u, c: np.testing.assert_allclose(u, -c, rtol=1e-5),
+               updates, clipped)
+
+
+def test_inject_hyperparams_clipping():
+  grads, params = grads_like(), params_like()
+  tx = optax.inject_hyperparams(adaptive_grad_clip)(clipping=CLIPPING)
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  injected, state = step(grads, state, params)
+  expected = adaptive_grad_clip_fn(grads, params, CLIPPING)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+               injected, expected)
+  state.hyperparams["clipping"] = jnp.asarray(1e6, jnp.float32)
+  unclipped, _ = step(grads, state, params)
+  jax.tree.map(np.testing.assert_array_equal, unclipped, grads)
+
+
+def test_state_is_a_checkpointable_pytree():
+  tx = adaptive_grad_clip(CLIPPING)
+  grads, params = grads_like(), params_like()
+  _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  leaves, treedef = jax.tree.flatten(state)
+  restored = pickle.loads(pickle.dumps(
+      jax.tree.unflatten(treedef, [np.asarray(x) for x in leaves])))
+  assert type(restored) is type(state)
+  restored = jax.tree.map(jnp.asarray, restored)
+  assert signature(restored) == signature(state)
+  again = jax.jit(tx.update)(grads, restored, params)
+  expected = jax.jit(tx.update)(grads, state, params)
+  jax.tree.map(np.testing.assert_array_equal, again, expected)
+
+
+def test_finite_at_zero():
+  tx = adaptive_grad_clip(CLIPPING)
+  zeros = jax.tree.map(jnp.zeros_like, grads_like())
+  for grads, params in ((zeros, zeros), (grads_like(), zeros), (zeros, params_like())):
+    out, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves((out, state)))
+  out = _agc_fn(grads_like(), zeros, 0.0)  # clipping=0: every unit to zero
+  assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(out))
+  # Gradients through the clipper, w.r.t. updates and params, at zero.
+  loss = lambda g, p: jnp.sum(adaptive_grad_clip_fn([g], [p], CLIPPING)[0])
+  for gradient in jax.jit(jax.grad(loss, argnums=(0, 1)))(zeros["w"], zeros["w"]):
+    assert np.all(np.isfinite(gradient))
+
+
+def test_nonfinite_updates_are_counted():
+  tx = adaptive_grad_clip(CLIPPING)
+  bad = jax.tree.map(lambda x: x.at[0].set(jnp.nan), grads_like())
+  _, state = jax.jit(tx.update)(bad, tx.init(bad), params_like())
+  assert int(state.nonfinite_count) == 1 and int(state.clipped_count) == 0
+
+
+def test_stats_report_the_clipped_units():
+  tx = optax.chain(adaptive_grad_clip(CLIPPING), optax.sgd(0.1))
+  params = params_like()
+  _, state = jax.jit(tx.update)(grads_like(), tx.init(params), params)
+  found = oc.stats(state)
+  assert set(found) == {f"agc/{k}" for k in (
+      "clipped_fraction", "clipped_units", "scale", "count", "clipped_count",
+      "nonfinite_count", "clip_rate")}
+  assert int(found["agc/count"]) == 1 and int(found["agc/clipped_units"]) > 0
+
+
+BAD_ARGS = [
+    ("clipping", -1.0, ValueError, "-1.0"),
+    ("clipping", float("nan"), ValueError, "nan"),
+    ("clipping", "0.1", TypeError, "'0.1'"),
+    ("eps", -1e-3, ValueError, "-0.001"),
+    ("axis", 1.5, TypeError, "1.5"),
+    ("axis", (0, "1"), TypeError, "'1'"),
+    ("axis_name", "data", ValueError, "specs"),  # which dims are split?
+]
+
+
+@pytest.mark.parametrize("arg,value,error,shown", BAD_ARGS)
+def test_bad_arguments_name_the_argument(arg, value, error, shown):
+  kwargs = {"clipping": CLIPPING, arg: value}
+  for build in (lambda: adaptive_grad_clip(**kwargs),
+                lambda: adaptive_grad_clip_fn([jnp.ones(2)], [jnp.ones(2)], **kwargs)):
+    with pytest.raises(error) as info:
+      build()
+    assert f"`adaptive_grad_clip({arg}=...)`" in str(info.value)
+    assert shown in str(info.value)
+
+
+def test_leaf_errors_name_the_leaf():
+  with pytest.raises(ValueError, match=r"\['x'\].*shape \(1, 2, 1, 2, 1, 2\).*axis="):
+    adaptive_grad_clip_fn({"x": jnp.ones((1, 2, 1, 2, 1, 2))},
+                          {"x": jnp.ones((1, 2, 1, 2, 1, 2))}, CLIPPING)
+  with pytest.raises(ValueError, match=r"axis=\(2,\).*\['w'\]"):
+    adaptive_grad_clip_fn({"w": jnp.ones((2, 2))}, {"w": jnp.ones((2, 2))},
+                          CLIPPING, axis=2)

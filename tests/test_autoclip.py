@@ -1,0 +1,351 @@
+"""auto_clip: AutoClip against a float64 numpy restatement, and the contract.
+
+The reference appends each step's global L2 norm to a list, takes
+``numpy.percentile`` of the list and clips with
+``torch.nn.utils.clip_grad_norm_``'s factor ``min(1, thr / (norm + 1e-6))``.
+Run with ``-s`` to see the largest relative differences.
+"""
+
+import pickle
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import optaxclip as oc
+from conftest import FLOAT_DTYPES
+from optaxclip._autoclip import auto_clip, percentile_of_prefix
+from test_contract import grads_like, signature
+
+STEPS = 200
+SPIKES = {30: 10.0, 77: 100.0, 150: 50.0, 151: 20.0}  # step -> norm multiplier
+RTOL = 1e-5
+
+
+# --------------------------------------------------------------------------
+# The reference, step by step in float64
+
+def norm_sequence(seed=0, base=1.0, spikes=None):
+  """Norms ``base`` with 10% noise, multiplied at ``spikes`` (step -> factor)."""
+  rng = np.random.default_rng(seed)
+  norms = base * (1.0 + 0.1 * rng.standard_normal(STEPS))
+  for step, factor in (SPIKES if spikes is None else spikes).items():
+    norms[step] *= factor
+  return norms
+
+
+def gradient_steps(norms, seed=1):
+  """One float32 gradient tree per step, with the given global norms."""
+  rng = np.random.default_rng(seed)
+  steps = []
+  for norm in norms:
+    tree = {"w": rng.normal(size=(8, 4)), "b": rng.normal(size=(4,))}
+    total = np.sqrt(sum(np.sum(x ** 2) for x in tree.values()))
+    steps.append({k: np.float32(x * norm / total) for k, x in tree.items()})
+  return steps
+
+
+def f64_leaves(tree):
+  return [np.asarray(np.asarray(x, np.float32), np.float64)
+          for x in jax.tree.leaves(tree)]
+
+
+def reference(steps, percentile, history=None, eps=1e-6):
+  seen = []
+  for tree in steps:
+    leaves = f64_leaves(tree)
+    norm = np.sqrt(sum(np.sum(x ** 2) for x in leaves))
+    seen.append(norm)
+    window = seen[-history:] if history else seen
+    threshold = np.percentile(window, percentile)  # linear interpolation
+    scale = min(1.0, threshold / (norm + eps))
+    yield {"norm": norm, "threshold": threshold, "scale": scale,
+           "clipped": [x * scale for x in leaves]}
+
+
+class Largest:
+  """The largest relative difference seen per quantity (printed by the tests)."""
+
+  def __init__(self):
+    self.seen = {}
+
+  def check(self, name, actual, expected, rtol=RTOL, floor=1e-30):
+    """Relative difference, taken against ``max(|expected|, floor)``."""
+    actual = np.asarray(np.asarray(actual, np.float32), np.float64)
+    expected = np.asarray(expected, np.float64)
+    difference = np.abs(actual - expected) / np.maximum(np.abs(expected), floor)
+    largest = float(np.max(difference, initial=0.0))
+    self.seen[name] = max(self.seen.get(name, 0.0), largest)
+    assert largest <= rtol, f"{name}: relative difference {largest:.3g}"
+
+  def report(self, title):
+    print(f"\n{title}: largest relative differences: " + ", ".join(
+        f"{k} {v:.2e}" for k, v in sorted(self.seen.items())))
+
+
+def run_against_reference(tx, steps, expected, title):
+  largest = Largest()
+  step = jax.jit(tx.update)
+  state = tx.init(steps[0])
+  clipped_steps = 0
+  for t, (tree, ref) in enumerate(zip(steps, expected)):
+    out, state = step(tree, state)
+    largest.check("norm", state.norm, ref["norm"])
+    largest.check("threshold", state.threshold, ref["threshold"])
+    largest.check("scale", state.scale, ref["scale"])
+    for got, want in zip(jax.tree.leaves(out), ref["clipped"]):
+      largest.check("clipped gradient", got, want)
+    clipped_steps += ref["scale"] < 1
+    assert int(state.count) == t + 1
+    assert int(state.clipped_count) == clipped_steps
+  assert int(state.nonfinite_count) == 0
+  largest.report(title)
+  return largest.seen
+
+
+@pytest.mark.parametrize("percentile", [10.0, 50.0, 97.5])
+def test_matches_the_reference_step_by_step(percentile):
+  steps = gradient_steps(norm_sequence())
+  seen = run_against_reference(
+      auto_clip(percentile), steps, reference(steps, percentile),
+      f"auto_clip({percentile})")
+  assert seen["scale"] < RTOL
+
+
+def test_ring_buffer_keeps_the_last_history_norms():
+  # Past `history` steps the reference is the percentile of the last norms.
+  steps = gradient_steps(norm_sequence(seed=2), seed=3)
+  run_against_reference(auto_clip(50.0, history=40), steps,
+                        reference(steps, 50.0, history=40),
+                        "auto_clip(50, history=40)")
+
+
+@settings(max_examples=60, deadline=None)
+@given(values=st.lists(st.floats(0, 1e6, width=32), min_size=1, max_size=16),
+       q=st.floats(0, 100))
+def test_percentile_of_prefix_is_numpy_percentile(values, q):
+  buffer = np.zeros(16, np.float32)
+  buffer[:len(values)] = values
+  got = _percentile(buffer, np.int32(len(values)), np.float32(q))
+  want = np.percentile(np.asarray(values, np.float64), np.float32(q))
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * max(values))
+
+
+_percentile = jax.jit(percentile_of_prefix)
+
+
+# --------------------------------------------------------------------------
+# The contract (as tests/test_contract.py for the core transforms). Not
+# applicable: idempotence and "no-op below the threshold" (the threshold is
+# learned from the history, and the first step is always scaled by
+# norm / (norm + eps), as in the reference).
+
+def make(**overrides):
+  return auto_clip(**{"percentile": 10.0, "history": 8, **overrides})
+
+
+def warm(tx, grads, steps=3):
+  """A state that has seen ``steps`` updates of growing norm."""
+  state = tx.init(grads)
+  for k in range(steps):
+    _, state = jax.jit(tx.update)(jax.tree.map(lambda x: x * (k + 1), grads), state)
+  return state
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_dtype_and_state_types_are_stable(dtype):
+  tx = make()
+  grads = grads_like(dtype)
+  state = tx.init(grads)
+  for update in (tx.update, jax.jit(tx.update)):
+    out, new_state = update(grads, state)
+    assert signature(out) == signature(grads)
+    assert signature(new_state) == signature(state)
+    assert not any(getattr(x, "weak_type", False)
+                   for x in jax.tree.leaves(new_state))
+
+
+def test_init_accepts_shape_dtype_structs():
+  tx = make()
+  grads = grads_like()
+  specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), grads)
+  assert signature(jax.eval_shape(tx.init, specs)) == signature(tx.init(grads))
+  out = jax.eval_shape(tx.update, specs, tx.init(grads))[0]
+  assert jax.tree.map(lambda s: (s.shape, s.dtype), out) == \
+      jax.tree.map(lambda x: (x.shape, x.dtype), grads)
+
+
+def test_eager_and_jit_agree_and_clip():
+  tx = make()
+  grads = grads_like()
+  state = warm(tx, grads)
+  spike = jax.tree.map(lambda x: x * 10, grads)
+  eager, eager_state = tx.update(spike, state)
+  jitted, jit_state = jax.jit(tx.update)(spike, state)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+               (eager, eager_state), (jitted, jit_state))
+  # The 10th percentile of norms 1, 2, 3, 10 (times |grads|) is 1.3.
+  np.testing.assert_allclose(jit_state.scale, 0.13, rtol=1e-5)
+
+
+def test_composes_with_chain_and_multisteps():
+  tx = make()
+  grads = grads_like(scale=3.0)
+  state = warm(tx, grads)
+  clipped, _ = tx.update(grads, state)
+  chained = optax.chain(make(), optax.sgd(1.0))
+  chain_state = (state, chained.init(grads)[1])
+  updates, _ = jax.jit(chained.update)(grads, chain_state, grads)
+  jax.tree.map(lambda u, c: np.testing.assert_allclose(u, -c, rtol=1e-6),
+               updates, clipped)
+  # MultiSteps: the clipper sees the mean of 2 micro-steps, once.
+  multi = optax.MultiSteps(optax.chain(make(), optax.sgd(1.0)), every_k_schedule=2)
+  multi_state = multi.init(grads)
+  step = jax.jit(multi.update)
+  small = jax.tree.map(lambda x: x / 3, grads)
+  updates, multi_state = step(small, multi_state, grads)
+  assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates))
+  updates, multi_state = step(jax.tree.map(lambda x: x * 5 / 3, grads),
+                              multi_state, grads)
+  once, _ = make().update(grads, make().init(grads))  # mean = grads
+  jax.tree.map(lambda u, c: np.testing.assert_allclose(u, -c, rtol=1e-5),
+               updates, once)
+  assert int(multi_state.inner_opt_state[0].count) == 1
+
+
+def test_inject_hyperparams_percentile():
+  grads = grads_like()
+  injected = optax.inject_hyperparams(auto_clip)(percentile=10.0, history=8)
+  state = injected.init(grads)
+  plain = make()
+  plain_state = plain.init(grads)
+  step, plain_step = jax.jit(injected.update), jax.jit(plain.update)
+  for k in (1.0, 4.0, 2.0, 3.0):
+    tree = jax.tree.map(lambda x: x * k, grads)
+    out, state = step(tree, state)
+    expected, plain_state = plain_step(tree, plain_state)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+                 out, expected)
+  # The 100th percentile is the largest norm: no clipping below it.
+  state.hyperparams["percentile"] = jnp.asarray(100.0, jnp.float32)
+  out, state = step(grads, state)
+  np.testing.assert_allclose(state.inner_state.threshold,
+                             4 * float(oc.functional.global_norm(grads)), rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), out, grads)
+
+
+def test_inject_hyperparams_history_sets_the_shape_at_init():
+  grads = grads_like()
+  injected = optax.inject_hyperparams(auto_clip)(percentile=10.0, history=8)
+  with pytest.raises(TypeError, match="static_args"):
+    jax.jit(injected.init)(grads)  # a traced history cannot size the buffer
+  static = optax.inject_hyperparams(auto_clip, static_args="history")(history=8)
+  state = jax.jit(static.init)(grads)
+  assert state.inner_state.norms.shape == (8,)
+
+
+def test_state_is_a_checkpointable_pytree():
+  tx = make()
+  grads = grads_like(scale=3.0)
+  state = warm(tx, grads)
+  leaves, treedef = jax.tree.flatten(state)
+  restored = pickle.loads(pickle.dumps(
+      jax.tree.unflatten(treedef, [np.asarray(x) for x in leaves])))
+  assert type(restored) is type(state)
+  restored = jax.tree.map(jnp.asarray, restored)
+  assert signature(restored) == signature(state)
+  again, _ = jax.jit(tx.update)(grads, restored)
+  expected, _ = jax.jit(tx.update)(grads, state)
+  jax.tree.map(np.testing.assert_array_equal, again, expected)
+
+
+def test_finite_at_zero():
+  tx = make()
+  zeros = jax.tree.map(jnp.zeros_like, grads_like())
+  state = tx.init(zeros)
+  for _ in range(2):
+    out, state = jax.jit(tx.update)(zeros, state)
+  assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(out))
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state))
+  loss = lambda g: sum(jnp.sum(x) for x in jax.tree.leaves(tx.update(g, state)[0]))
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(jax.grad(loss)(zeros)))
+
+
+def test_nonfinite_norm_is_kept_out_of_the_history():
+  tx = make()
+  grads = grads_like()
+  state = warm(tx, grads)
+  bad = jax.tree.map(lambda x: x.at[0].set(jnp.nan), grads)
+  out, after = jax.jit(tx.update)(bad, state)
+  assert np.isnan(np.asarray(out["norm"][0])).any()  # propagates, as the reference
+  np.testing.assert_array_equal(after.norms, state.norms)
+  assert int(after.size) == int(state.size) and int(after.nonfinite_count) == 1
+  assert int(after.clipped_count) == int(state.clipped_count)
+  # optax.apply_if_finite then skips the step and the clipper goes on.
+  guarded = optax.apply_if_finite(optax.chain(make(), optax.sgd(1.0)), 3)
+  guarded_state = guarded.init(grads)
+  updates, guarded_state = jax.jit(guarded.update)(bad, guarded_state, grads)
+  assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates))
+  updates, guarded_state = jax.jit(guarded.update)(grads, guarded_state, grads)
+  assert all(np.all(np.isfinite(u)) for u in jax.tree.leaves(updates))
+
+
+def test_stats_report_threshold_norm_and_counts():
+  tx = optax.chain(make(), optax.sgd(0.1))
+  grads = grads_like()
+  state = warm(tx, grads)
+  found = jax.jit(oc.stats)(state)
+  assert set(found) == {f"auto_clip/{k}" for k in (
+      "norm", "threshold", "scale", "count", "clipped_count",
+      "nonfinite_count", "clip_rate")}
+  assert int(found["auto_clip/count"]) == 3
+  assert all(v.shape == () for v in found.values())
+
+
+def test_shard_map_norm_is_global():
+  from jax import shard_map
+  from jax.sharding import PartitionSpec as P
+  from jax.sharding import NamedSharding
+  mesh = jax.make_mesh((8,), ("data",))
+  grads = {"w": np.random.default_rng(4).normal(size=(16, 4)).astype(np.float32),
+           "b": np.ones(4, np.float32)}
+  specs = {"w": P("data"), "b": P()}
+  tx = auto_clip(50.0, history=4, axis_name="data", specs=specs)
+  state = jax.device_put(tx.init(grads), NamedSharding(mesh, P()))
+  step = jax.jit(shard_map(tx.update, mesh=mesh, in_specs=(specs, P()),
+                           out_specs=(specs, P())))
+  for k in (1.0, 3.0):
+    sharded = jax.tree.map(lambda x, s: jax.device_put(x * k, NamedSharding(mesh, s)),
+                           grads, specs)
+    out, state = step(sharded, state)
+  local = make(percentile=50.0, history=4)
+  expected_state = local.init(grads)
+  for k in (1.0, 3.0):
+    expected, expected_state = jax.jit(local.update)(
+        jax.tree.map(lambda x: x * k, grads), expected_state)
+  np.testing.assert_allclose(state.norm, expected_state.norm, rtol=1e-6)
+  np.testing.assert_allclose(state.threshold, expected_state.threshold, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), out, expected)
+
+
+BAD_ARGS = [
+    ("percentile", -1.0, ValueError, "-1.0"),
+    ("percentile", 101.0, ValueError, "101.0"),
+    ("percentile", "10", TypeError, "'10'"),
+    ("history", 0, ValueError, "0"),
+    ("history", 2.5, TypeError, "2.5"),
+    ("history", True, TypeError, "True"),
+    ("eps", -1e-6, ValueError, "-1e-06"),
+    ("axis_name", 1.5, TypeError, "1.5"),
+]
+
+
+@pytest.mark.parametrize("arg,value,error,shown", BAD_ARGS)
+def test_bad_arguments_name_the_argument(arg, value, error, shown):
+  with pytest.raises(error) as info:
+    auto_clip(**{arg: value})
+  assert f"`auto_clip({arg}=...)`" in str(info.value) and shown in str(info.value)

@@ -1,0 +1,221 @@
+"""Per-example clipping: optax's numbers, per-example norms, jit/vmap, dtypes.
+
+Of the shared contract, the items about transform states (state types,
+checkpoints, optax.chain / MultiSteps / inject_hyperparams) do not apply:
+these are stateless functions. Dtypes, ShapeDtypeStruct inputs, eager == jit
+and bad arguments are tested here.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import shard_map
+from jax.sharding import Mesh, PartitionSpec as P
+
+from conftest import FLOAT_DTYPES
+from optaxclip._per_example import (PerExampleClip, per_example_clip_by_global_norm,
+                                    per_example_clip_by_layer_norm)
+
+BATCH = 16
+
+
+def make_tree(name, dtype=jnp.float32):
+  rng = np.random.default_rng(0)
+  # Per-example magnitudes from 0 to 10: some examples clipped, some not.
+  scales = np.concatenate([[0.0], np.geomspace(1e-2, 10, BATCH - 1)])
+  rng.shuffle(scales)
+
+  def leaf(*shape):
+    x = rng.normal(size=(BATCH, *shape))
+    return x * scales.reshape((-1,) + (1,) * len(shape))
+
+  trees = {
+      "one_leaf": lambda: [leaf(3)],
+      "nested": lambda: {"dense": {"w": leaf(4, 3), "b": leaf(3)},
+                         "out": [leaf(5), leaf()]},
+      "tuple": lambda: (leaf(2, 2, 2), leaf(7)),
+  }
+  return jax.tree.map(lambda x: jnp.asarray(x, dtype), trees[name]())
+
+
+TREES = ["one_leaf", "nested", "tuple"]
+CLIPS = [0.0, 0.7, math.inf]
+# Jitted once for the module, with a traced threshold: one compilation per
+# tree (and per `uniform`).
+OURS_GLOBAL = jax.jit(per_example_clip_by_global_norm)
+OURS_LAYER = jax.jit(per_example_clip_by_layer_norm, static_argnames="uniform")
+OPTAX_GLOBAL = jax.jit(optax.per_example_global_norm_clip)
+OPTAX_LAYER = jax.jit(optax.per_example_layer_norm_clip, static_argnames="uniform")
+
+
+def assert_close(ours, theirs, rtol=1e-6):
+  """Leaf by leaf within ``rtol`` (of the leaf's largest value); prints the
+  largest relative difference."""
+  worst = 0.0
+  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = np.maximum(np.abs(b), np.max(np.abs(b), initial=0))
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * np.max(scale, initial=0))
+    worst = max(worst, float(np.max(np.abs(a - b) / np.maximum(scale, 1e-30), initial=0)))
+  print(f" [vs optax: {worst:.1e}]", end="")
+
+
+@pytest.mark.parametrize("max_norm", CLIPS)
+@pytest.mark.parametrize("name", TREES)
+def test_global_norm_matches_optax(name, max_norm):
+  grads = make_tree(name)
+  ours = OURS_GLOBAL(grads, jnp.float32(max_norm))
+  assert isinstance(ours, PerExampleClip)
+  summed, num_clipped = OPTAX_GLOBAL(grads, jnp.float32(max_norm))
+  assert_close(ours.summed, summed)
+  assert ours.num_clipped.dtype == jnp.int32 and int(ours.num_clipped) == int(num_clipped)
+  # Swapping from optax: the first two fields are optax's pair.
+  assert jax.tree.structure(ours[:2]) == jax.tree.structure((summed, num_clipped))
+
+
+@pytest.mark.parametrize("uniform", [True, False])
+@pytest.mark.parametrize("max_norm", CLIPS)
+@pytest.mark.parametrize("name", TREES)
+def test_layer_norm_matches_optax(name, max_norm, uniform):
+  grads = make_tree(name)
+  ours = OURS_LAYER(grads, jnp.float32(max_norm), uniform=uniform)
+  summed, num_clipped = OPTAX_LAYER(grads, jnp.float32(max_norm), uniform=uniform)
+  assert_close(ours.summed, summed)
+  assert jax.tree.structure(ours.num_clipped) == jax.tree.structure(num_clipped)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), ours.num_clipped,
+               num_clipped)
+
+
+@pytest.mark.parametrize("name", TREES)
+def test_per_example_norms_match_numpy_float64(name):
+  grads = make_tree(name)
+  host = [np.asarray(x, np.float64).reshape(BATCH, -1) for x in jax.tree.leaves(grads)]
+  result = OURS_GLOBAL(grads, jnp.float32(1.0))
+  expected = np.sqrt(sum((x**2).sum(1) for x in host))
+  assert result.norms.dtype == jnp.float32 and result.norms.shape == (BATCH,)
+  worst = np.max(np.abs(result.norms - expected) / np.maximum(expected, 1e-30))
+  layer = OURS_LAYER(grads, jnp.float32(1.0))
+  for ours, x in zip(jax.tree.leaves(layer.norms), host):
+    leaf = np.sqrt((x**2).sum(1))
+    worst = max(worst, np.max(np.abs(ours - leaf) / np.maximum(leaf, 1e-30)))
+  print(f"\nper-example norms ({name}) vs numpy float64: largest relative "
+        f"difference {worst:.1e}")
+  assert worst < 1e-6
+
+
+def test_nan_example_is_not_clipped_as_in_optax():
+  grads = make_tree("tuple")
+  grads = (grads[0].at[3, 0, 0, 0].set(jnp.nan), grads[1])
+  ours = OURS_GLOBAL(grads, jnp.float32(0.5))
+  summed, num_clipped = OPTAX_GLOBAL(grads, jnp.float32(0.5))
+  assert np.isnan(ours.norms[3]) and int(ours.num_clipped) == int(num_clipped)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(
+      a, b, rtol=1e-6, atol=1e-6 * np.nanmax(np.abs(b)), equal_nan=True),
+      ours.summed, summed)
+
+
+def test_overflow_safe_norms():
+  """Squares of 1e20 overflow float32: optax's norm is inf (factor 0), ours is
+  right and the example is clipped to max_norm."""
+  grads = {"w": jnp.zeros((2, 4)).at[0].set(1e20).at[1].set(1.0)}
+  result = per_example_clip_by_global_norm(grads, 1.0)
+  np.testing.assert_allclose(result.norms, [2e20, 2.0], rtol=1e-6)
+  np.testing.assert_allclose(result.summed["w"], [1.0] * 4, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_dtype_preserved_and_accumulated_in_float32(dtype):
+  grads = make_tree("nested", dtype)
+  exact = OURS_GLOBAL(jax.tree.map(lambda x: x.astype(jnp.float32), grads),
+                      jnp.float32(2.0))
+  result = OURS_GLOBAL(grads, jnp.float32(2.0))  # eager == jit: tested below
+  assert all(x.dtype == dtype for x in jax.tree.leaves(result.summed))
+  assert result.norms.dtype == jnp.float32
+  np.testing.assert_allclose(result.norms, exact.norms, rtol=1e-6)
+  # Summed in float32, rounded once into the leaf dtype.
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b.astype(dtype)),
+               result.summed, exact.summed)
+  layer = OURS_LAYER(grads, jnp.float32(2.0))
+  assert all(x.dtype == dtype for x in jax.tree.leaves(layer.summed))
+
+
+def test_finite_at_zero_and_differentiable_there():
+  zeros = jax.tree.map(jnp.zeros_like, make_tree("nested"))
+  for fn in (per_example_clip_by_global_norm, per_example_clip_by_layer_norm):
+    grad_fn = jax.jit(jax.value_and_grad(lambda g, c: sum(
+        jnp.sum(x) for x in jax.tree.leaves(fn(g, c).summed))))
+    for max_norm in (0.0, 1.0):
+      result = jax.jit(fn)(zeros, jnp.float32(max_norm))
+      assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(result.summed))
+      assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(result.num_clipped))
+      _, grad = grad_fn(zeros, jnp.float32(max_norm))
+      assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(grad))
+
+
+def test_eager_equals_jit_and_accepts_shape_dtype_structs():
+  grads = make_tree("nested")
+  for fn in (per_example_clip_by_global_norm, per_example_clip_by_layer_norm):
+    eager, jitted = fn(grads, 0.5), jax.jit(fn)(grads, 0.5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), eager, jitted)
+    specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), grads)
+    shapes = jax.eval_shape(fn, specs, 0.5)
+    assert jax.tree.map(lambda s: s.shape, shapes.summed) == \
+        jax.tree.map(lambda x: x.shape[1:], grads)
+
+
+def test_under_vmap_over_microbatches():
+  """vmap over a leading microbatch axis equals a loop over the microbatches,
+  with a traced (per-microbatch) threshold too."""
+  grads = make_tree("nested")
+  stacked = jax.tree.map(lambda x: jnp.stack([x, 2 * x, -x]), grads)
+  clips = jnp.array([0.5, 1.0, 2.0])
+  for fn, jitted in ((per_example_clip_by_global_norm, OURS_GLOBAL),
+                     (per_example_clip_by_layer_norm, OURS_LAYER)):
+    batched = jax.jit(jax.vmap(fn))(stacked, clips)
+    for i in range(3):
+      one = jitted(jax.tree.map(lambda x: x[i], stacked), clips[i])
+      jax.tree.map(lambda a, b: np.testing.assert_allclose(a[i], b, rtol=1e-6),
+                   batched, one)
+
+
+def test_shard_map_with_split_features():
+  """Leaves split over their feature axis on 2 devices: norms are global."""
+  grads = make_tree("tuple")
+  grads = (grads[0].reshape(BATCH, 8), grads[1][:, :6])
+  specs = (P(None, "i"), P(None, "i"))
+  mesh = Mesh(np.array(jax.devices()[:2]), ("i",))
+  fn = jax.jit(shard_map(
+      lambda g: per_example_clip_by_global_norm(g, 0.5, axis_name="i", specs=specs),
+      mesh=mesh, in_specs=(specs,),
+      out_specs=PerExampleClip((P("i"), P("i")), P(), P())))
+  result, expected = fn(grads), per_example_clip_by_global_norm(grads, 0.5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), result, expected)
+
+
+ONE, OTHER, SCALAR = np.ones((4, 2)), np.ones((3, 2)), np.ones(())
+
+
+@pytest.mark.parametrize("fn", [per_example_clip_by_global_norm,
+                                per_example_clip_by_layer_norm])
+@pytest.mark.parametrize("grads,max_norm,error,shown", [
+    ([ONE], -1.0, ValueError, "max_norm=...)` must be a finite number >= 0, got -1.0"),
+    ([ONE], math.nan, ValueError, "max_norm=...)` must be a finite number >= 0, got nan"),
+    ([ONE], "1", TypeError, "max_norm=...)` must be a real number, got '1'"),
+    ([ONE, OTHER], 1.0, ValueError, "grads=...)` needs a leading batch axis"),
+    ([ONE, SCALAR], 1.0, ValueError, "[(4, 2), ()]"),
+])
+def test_bad_arguments_name_argument_and_value(fn, grads, max_norm, error, shown):
+  with pytest.raises(error) as info:
+    fn(grads, max_norm)
+  assert f"`{fn.__name__}(" in str(info.value) and shown in str(info.value)
+
+
+def test_bad_keyword_arguments():
+  with pytest.raises(ValueError, match=r"`per_example_clip_by_global_norm\(ord=...\)`.*0"):
+    per_example_clip_by_global_norm([jnp.ones((4, 2))], 1.0, ord=0)
+  with pytest.raises(TypeError, match=r"`per_example_clip_by_layer_norm\(uniform=...\)`.*1"):
+    per_example_clip_by_layer_norm([jnp.ones((4, 2))], 1.0, uniform=1)

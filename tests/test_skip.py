@@ -1,0 +1,354 @@
+"""skip_step: a numpy re-statement of the skip rule, bit-identical inner
+states on skipped steps, and the shared transform contract."""
+
+import math
+import pickle
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import shard_map
+from jax.sharding import Mesh, PartitionSpec as P
+
+import optaxclip as oc
+from conftest import FLOAT_DTYPES
+from optaxclip._skip import SkipState, SkipStats, skip_step
+
+STEPS = 300
+DECAY, WARMUP, ZSCORE, MAX_NORM = 0.95, 30, 6.0, 50.0
+# step -> multiple of the usual norm (nan / inf: a non-finite gradient)
+SPIKES = {10: 20.0, 60: 10.0, 61: 12.0, 100: 100.0, 150: math.nan,
+          151: math.inf, 200: 60.0, 250: 30.0, 251: 3.0}
+
+
+def norm_sequence():
+  rng = np.random.default_rng(0)
+  norms = np.exp(0.1 * rng.normal(size=STEPS)) * np.linspace(1.0, 1.5, STEPS)
+  for step, multiple in SPIKES.items():
+    norms[step] = norms[step] * multiple
+  return norms
+
+
+def grads_with_norms(norms):
+  """Random directions with the given global norms (NaN/Inf placed in "a")."""
+  rng = np.random.default_rng(1)
+  a, b = rng.normal(size=(STEPS, 8)), rng.normal(size=(STEPS, 4, 3))
+  length = np.sqrt((a**2).sum(1) + (b**2).sum((1, 2)))
+  finite = np.where(np.isfinite(norms), norms, 1.0)
+  a, b = a * (finite / length)[:, None], b * (finite / length)[:, None, None]
+  a[:, 0] = np.where(np.isfinite(norms), a[:, 0], norms)
+  return {"a": jnp.asarray(a, jnp.float32), "b": jnp.asarray(b, jnp.float32)}
+
+
+def reference(norms, *, max_norm, zscore, decay, warmup):
+  """The skip rule restated from its definition, in float64.
+
+  The statistics are the weighted mean and variance of the accepted norms
+  with weights decay**(age): what the EMA recurrence must equal.
+  """
+  accepted, out = [], {k: [] for k in (
+      "skip", "nonfinite", "too_large", "spike", "mean", "var", "margin")}
+  mean = var = 0.0
+  for n in norms:
+    finite = bool(np.isfinite(n))
+    too_large = finite and n > max_norm
+    spike, margin = False, math.inf
+    if finite and len(accepted) >= max(warmup, 1):
+      limit = zscore * math.sqrt(var)
+      spike = n - mean > limit
+      margin = abs(n - mean - limit) / max(limit, 1e-30)
+    skip = (not finite) or too_large or spike
+    if finite and not skip:
+      accepted.append(n)
+      h = np.asarray(accepted)
+      w = decay ** np.arange(len(h))[::-1]
+      mean = float((w * h).sum() / w.sum())
+      var = float((w * (h - mean) ** 2).sum() / w.sum())
+    for key, value in (("skip", skip), ("nonfinite", not finite),
+                       ("too_large", too_large), ("spike", spike),
+                       ("mean", mean), ("var", var), ("margin", margin)):
+      out[key].append(value)
+  return {k: np.asarray(v) for k, v in out.items()}
+
+
+PARAMS = {"a": jnp.linspace(-1.0, 1.0, 8), "b": jnp.ones((4, 3))}
+
+
+def run_scan(tx, grads):
+  """Every step's updates and state, from one compiled scan."""
+  def step(carry, g):
+    params, state = carry
+    updates, state = tx.update(g, state, params)
+    return (optax.apply_updates(params, updates), state), (updates, state)
+
+  (params, _), (updates, states) = jax.jit(
+      lambda g: jax.lax.scan(step, (PARAMS, tx.init(PARAMS)), g))(grads)
+  return params, updates, states
+
+
+@pytest.fixture(scope="module")
+def spiky_run():
+  norms = norm_sequence()
+  grads = grads_with_norms(norms)
+  tx = skip_step(optax.adamw(1e-2), max_norm=MAX_NORM, zscore=ZSCORE,
+                 ema_decay=DECAY, warmup_steps=WARMUP)
+  params, updates, states = run_scan(tx, grads)
+  ref = reference(np.asarray(jax.vmap(oc.functional.global_norm)(grads), np.float64),
+                  max_norm=MAX_NORM, zscore=ZSCORE, decay=DECAY, warmup=WARMUP)
+  return norms, grads, params, updates, states, ref
+
+
+def test_skip_decisions_and_statistics_match_the_reference(spiky_run):
+  norms, _, _, _, states, ref = spiky_run
+  stats = jax.tree.map(np.asarray, states.stats)
+  assert not np.any(ref["margin"] < 1e-3), "a decision too close to call"
+  skipped = np.diff(np.concatenate([[0], stats.skipped_count])) == 1
+  np.testing.assert_array_equal(skipped, ref["skip"])
+  # The spikes after warm-up and the non-finite steps are exactly the skips.
+  assert set(np.flatnonzero(ref["skip"])) == {s for s in SPIKES if s >= WARMUP}
+  np.testing.assert_array_equal(stats.skipped_count, np.cumsum(ref["skip"]))
+  np.testing.assert_array_equal(stats.nonfinite_count, np.cumsum(ref["nonfinite"]))
+  np.testing.assert_array_equal(stats.max_norm_count, np.cumsum(ref["too_large"]))
+  np.testing.assert_array_equal(stats.zscore_count, np.cumsum(ref["spike"]))
+  np.testing.assert_array_equal(stats.count, np.arange(1, STEPS + 1))
+  np.testing.assert_array_equal(
+      stats.ema_count, np.cumsum(~ref["skip"] & np.isfinite(norms)))
+  mean_err = np.max(np.abs(stats.norm_mean - ref["mean"]) / ref["mean"])
+  std_err = np.max(np.abs(np.sqrt(stats.norm_var) - np.sqrt(ref["var"]))
+                   / np.maximum(np.sqrt(ref["var"]), 1e-30))
+  finite = np.isfinite(norms)
+  norm_err = np.max(np.abs(stats.norm[finite] - norms[finite]) / norms[finite])
+  print(f"\nskip_step vs float64 reference over {STEPS} steps: largest relative "
+        f"difference mean {mean_err:.2e}, std {std_err:.2e}, norm {norm_err:.2e}")
+  assert mean_err < 1e-5 and std_err < 1e-4 and norm_err < 1e-6
+  assert np.all(np.isnan(stats.norm[~finite]) | np.isinf(stats.norm[~finite]))
+
+
+def test_skipped_steps_leave_adamw_bit_identical(spiky_run):
+  _, grads, params, updates, states, ref = spiky_run
+  inner = jax.tree.map(np.asarray, states.inner_state)
+  first = jax.tree.map(np.asarray, optax.adamw(1e-2).init(PARAMS))
+  previous = jax.tree.map(lambda f, s: np.concatenate([f[None], s[:-1]]), first, inner)
+  for step in np.flatnonzero(ref["skip"]):
+    for old, new in zip(jax.tree.leaves(previous), jax.tree.leaves(inner)):
+      assert old[step].tobytes() == new[step].tobytes()  # bits, NaN-safe
+    assert all(np.all(np.asarray(u)[step] == 0) for u in jax.tree.leaves(updates))
+  assert int(inner[0].count[-1]) == STEPS - ref["skip"].sum()
+  # The run equals adamw fed only the accepted steps.
+  keep = np.flatnonzero(~ref["skip"])
+  plain_params, _, plain_states = run_scan(
+      optax.adamw(1e-2), jax.tree.map(lambda g: g[keep], grads))
+  # (Not bit for bit: XLA fuses adamw differently inside skip_step.)
+  ours = jax.tree.leaves((params, jax.tree.map(lambda s: s[-1], states.inner_state)))
+  plain = jax.tree.leaves((plain_params, jax.tree.map(lambda s: s[-1], plain_states)))
+  worst = max(float(np.max(np.abs(np.asarray(a, np.float64) - b) /
+                           (np.abs(np.asarray(b, np.float64)) + 1e-6)))
+              for a, b in zip(ours, plain))
+  print(f"\nskip_step(adamw) vs adamw on the accepted steps: largest relative "
+        f"difference {worst:.2e}")
+  assert worst < 1e-5
+
+
+def test_nonfinite_false_applies_nan_steps_but_keeps_statistics_clean():
+  tx = skip_step(optax.sgd(1.0), nonfinite=False, zscore=3.0, warmup_steps=2)
+  state = tx.init(PARAMS)
+  step = jax.jit(tx.update)
+  g = jax.tree.map(jnp.ones_like, PARAMS)
+  for _ in range(3):
+    _, state = step(g, state)
+  bad = {"a": g["a"].at[0].set(jnp.nan), "b": g["b"]}
+  updates, state = step(bad, state)
+  assert np.isnan(updates["a"][0]) and int(state.stats.skipped_count) == 0
+  assert int(state.stats.nonfinite_count) == 1 and int(state.stats.ema_count) == 3
+  np.testing.assert_allclose(state.stats.norm_mean, np.sqrt(20.0), rtol=1e-6)
+
+
+def test_extra_args_reach_the_inner_transform():
+  def init_fn(params):
+    del params
+    return jnp.zeros([], jnp.float32)
+
+  def update_fn(updates, state, params=None, *, value):
+    del params, state
+    return updates, jnp.asarray(value, jnp.float32)
+
+  inner = optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  tx = skip_step(inner, max_norm=100.0)
+  state = tx.init(PARAMS)
+  _, state = jax.jit(tx.update)(PARAMS, state, PARAMS, value=3.0)
+  assert float(state.inner_state) == 3.0
+  huge = jax.tree.map(lambda x: x * 1e3, PARAMS)
+  _, state = jax.jit(tx.update)(huge, state, PARAMS, value=5.0)
+  assert float(state.inner_state) == 3.0  # skipped: untouched
+
+
+def test_stats_report_skip_and_inner_states():
+  tx = skip_step(optax.chain(oc.clip_by_global_norm(1.0), optax.sgd(0.1)), max_norm=1e3)
+  state = tx.init(PARAMS)
+  _, state = jax.jit(tx.update)(PARAMS, state, PARAMS)
+  found = oc.stats(state)
+  assert {"skip/norm", "skip/skip_rate", "skip/norm_std", "skip/zscore_count",
+          "clip/norm"} <= set(found)
+  np.testing.assert_allclose(found["skip/norm"], found["clip/norm"], rtol=1e-6)
+  assert all(v.shape == () for v in found.values())
+
+
+def test_shard_map_devices_agree():
+  """Split gradients: the global norm (not a shard's) decides, and a NaN on
+  one device skips the step on every device."""
+  mesh = Mesh(np.array(jax.devices()[:2]), ("i",))
+  tx = skip_step(optax.sgd(1.0), max_norm=5.0, axis_name="i", specs=P("i"))
+  step = jax.jit(shard_map(tx.update, mesh=mesh, in_specs=(P("i"), P()),
+                           out_specs=(P("i"), P())))
+  state = tx.init(jnp.zeros(8))
+  local_small = jnp.full(8, 1.5)  # each half: norm 3; globally 4.24
+  updates, state = step(local_small, state)
+  np.testing.assert_array_equal(updates, -local_small)
+  updates, state = step(jnp.full(8, 2.0), state)  # halves 4, globally 5.66
+  np.testing.assert_array_equal(updates, jnp.zeros(8))
+  updates, state = step(local_small.at[1].set(jnp.nan), state)
+  np.testing.assert_array_equal(updates, jnp.zeros(8))
+  assert int(state.stats.skipped_count) == 2 and int(state.stats.nonfinite_count) == 1
+  np.testing.assert_allclose(state.stats.norm_mean, 1.5 * np.sqrt(8), rtol=1e-6)
+
+
+# --------------------------------------------------------------------------
+# The shared contract (as tests/test_contract.py). Idempotence and "no-op
+# below the threshold" do not apply: skip_step wraps an optimizer, whose
+# updates it passes on or zeroes.
+
+def grads_like(dtype=jnp.float32, scale=1.0):
+  rng = np.random.default_rng(0)
+  tree = {"w": rng.normal(size=(8, 4)), "b": rng.normal(size=(4,))}
+  return jax.tree.map(lambda x: jnp.asarray(x * scale, dtype), tree)
+
+
+def make(**overrides):
+  settings = {"max_norm": 10.0, "zscore": 3.0, "warmup_steps": 2, **overrides}
+  return skip_step(optax.chain(optax.add_decayed_weights(0.1), optax.sgd(0.5)),
+                   **settings)
+
+
+def signature(tree):
+  return jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x),
+                                 getattr(x, "weak_type", None)), tree)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_dtype_and_state_types_are_stable(dtype):
+  tx = make()
+  grads = grads_like(dtype)
+  state = tx.init(grads)
+  assert isinstance(state, SkipState) and isinstance(state.stats, SkipStats)
+  for update in (tx.update, jax.jit(tx.update)):
+    for g in (grads, grads_like(dtype, scale=100.0)):  # taken, then skipped
+      out, new_state = update(g, state, grads)
+      assert signature(out) == signature(grads)
+      assert signature(new_state) == signature(state)
+      assert not any(getattr(x, "weak_type", False) for x in jax.tree.leaves(new_state))
+
+
+def test_finite_at_zero():
+  tx = make(max_norm=0.0)
+  zeros = jax.tree.map(jnp.zeros_like, grads_like())
+  state = tx.init(zeros)
+  for _ in range(4):  # past the warm-up: a zero std must not skip zeros
+    out, state = jax.jit(tx.update)(zeros, state, zeros)
+  assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(out))
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state))
+  assert int(state.stats.skipped_count) == 0 and int(state.stats.ema_count) == 4
+
+
+def test_init_accepts_shape_dtype_structs():
+  tx = make()
+  grads = grads_like()
+  specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), grads)
+  assert signature(jax.eval_shape(tx.init, specs)) == signature(tx.init(grads))
+  out, _ = jax.eval_shape(tx.update, specs, tx.init(grads), specs)
+  assert jax.tree.map(lambda s: (s.shape, s.dtype), out) == \
+      jax.tree.map(lambda x: (x.shape, x.dtype), grads)
+
+
+def test_eager_and_jit_agree():
+  tx = make()
+  grads = grads_like()
+  state = tx.init(grads)
+  for g in (grads, grads, grads_like(scale=100.0), grads):
+    eager, eager_state = tx.update(g, state, grads)
+    jitted, state = jax.jit(tx.update)(g, state, grads)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+                 (eager, eager_state), (jitted, state))
+  assert int(state.stats.skipped_count) == 1
+
+
+def test_composes_with_chain_and_multisteps():
+  grads = grads_like()
+  expected, _ = make().update(grads, make().init(grads), grads)
+  tx = optax.chain(oc.clip_by_global_norm(1e3), make())
+  updates, _ = jax.jit(tx.update)(grads, tx.init(grads), grads)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), updates, expected)
+  # MultiSteps: the mean of two micro-steps is judged once; a spike skips.
+  multi = optax.MultiSteps(make(), every_k_schedule=2)
+  state = multi.init(grads)
+  step = jax.jit(multi.update)
+  _, state = step(grads, state, grads)
+  updates, state = step(grads, state, grads)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), updates, expected)
+  _, state = step(grads_like(scale=100.0), state, grads)
+  updates, state = step(grads, state, grads)
+  assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates))
+  assert int(state.inner_opt_state.stats.skipped_count) == 1
+
+
+def test_inject_hyperparams_max_norm():
+  grads = grads_like(scale=3.0)
+  tx = optax.inject_hyperparams(skip_step)(optax.sgd(1.0), max_norm=1.0)
+  state = tx.init(grads)
+  step = jax.jit(tx.update)
+  updates, state = step(grads, state)
+  assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates))
+  state.hyperparams["max_norm"] = jnp.asarray(1e6, jnp.float32)
+  updates, state = step(grads, state)
+  np.testing.assert_array_equal(updates["w"], -grads["w"])
+  assert int(state.inner_state.stats.skipped_count) == 1
+
+
+def test_state_is_a_checkpointable_pytree():
+  tx = make()
+  grads = grads_like()
+  step = jax.jit(tx.update)
+  state = tx.init(grads)
+  for g in (grads, grads_like(scale=100.0), grads):
+    _, state = step(g, state, grads)
+  leaves, treedef = jax.tree.flatten(state)
+  restored = pickle.loads(pickle.dumps(
+      jax.tree.unflatten(treedef, [np.asarray(x) for x in leaves])))
+  restored = jax.tree.map(jnp.asarray, restored)
+  assert type(restored) is SkipState and signature(restored) == signature(state)
+  for g in (grads, grads_like(scale=100.0)):
+    again, restored = step(g, restored, grads)
+    expected, state = step(g, state, grads)
+    jax.tree.map(np.testing.assert_array_equal, (again, restored), (expected, state))
+
+
+@pytest.mark.parametrize("arg,value,error,shown", [
+    ("inner", "adam", TypeError, "'adam'"),
+    ("nonfinite", 1, TypeError, "1"),
+    ("max_norm", -1.0, ValueError, "-1.0"),
+    ("max_norm", math.nan, ValueError, "nan"),
+    ("zscore", -2.0, ValueError, "-2.0"),
+    ("zscore", "6", TypeError, "'6'"),
+    ("ema_decay", 1.0, ValueError, "1.0"),
+    ("ema_decay", -0.5, ValueError, "-0.5"),
+    ("warmup_steps", -1, ValueError, "-1"),
+    ("warmup_steps", 2.5, TypeError, "2.5"),
+    ("ord", 0, ValueError, "0"),
+    ("axis_name", 1.5, TypeError, "1.5"),
+])
+def test_bad_arguments_name_argument_and_value(arg, value, error, shown):
+  kwargs = {"inner": optax.sgd(0.1), arg: value}
+  with pytest.raises(error) as info:
+    skip_step(kwargs.pop("inner"), **kwargs)
+  assert f"`skip_step({arg}=...)`" in str(info.value) and shown in str(info.value)

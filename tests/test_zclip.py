@@ -1,0 +1,293 @@
+"""zclip: ZClip against a float64 numpy restatement, and the contract.
+
+The reference restates github.com/bluorion-com/ZClip step by step: warm-up
+norms in a list (clipped by ``torch.nn.utils.clip_grad_norm_`` at
+``max_grad_norm``), then mean and population variance, z-scores, the
+``adaptive_scaling``/``mean``/``percentile`` thresholds, the coefficient
+``thr / (g + 1e-6)`` and the EMA update. Run with ``-s`` to see the largest
+relative differences.
+"""
+
+import pickle
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optaxclip as oc
+from conftest import FLOAT_DTYPES
+from optaxclip._zclip import zclip
+from test_autoclip import Largest, f64_leaves, gradient_steps, norm_sequence
+from test_contract import grads_like, signature
+
+# A spike inside the warm-up too: it inflates the initial mean and variance.
+SPIKES = {10: 30.0, 40: 10.0, 77: 100.0, 150: 50.0, 151: 20.0, 152: 10.0}
+
+
+class Reference:
+  """ZClip, one step at a time, in float64."""
+
+  def __init__(self, alpha=0.97, z_thresh=2.5, max_grad_norm=1.0, eps=1e-6,
+               warmup_steps=25, mode="zscore", clip_option="adaptive_scaling",
+               clip_factor=1.0, skip_update_on_spike=False):
+    self.__dict__.update(locals())
+    self.buffer, self.mean, self.var = [], 0.0, 0.0
+
+  def step(self, g):
+    """The threshold, factor and statistics for a step of norm ``g``."""
+    if len(self.buffer) < self.warmup_steps:  # warm-up
+      self.buffer.append(g)
+      if len(self.buffer) == self.warmup_steps:
+        self.mean = sum(self.buffer) / len(self.buffer)
+        self.var = sum((x - self.mean) ** 2 for x in self.buffer) / len(self.buffer)
+      if self.max_grad_norm is None:
+        return {"threshold": g, "scale": 1.0, "z": 0.0, "spike": False}
+      scale = min(1.0, self.max_grad_norm / (g + 1e-6))  # clip_grad_norm_
+      return {"threshold": min(g, self.max_grad_norm), "scale": scale,
+              "z": 0.0, "spike": False}
+    std = self.var ** 0.5
+    z = (g - self.mean) / (std + self.eps)
+    clip_val = None
+    if self.mode == "percentile":
+      if g > self.mean + self.z_thresh * std:
+        clip_val = self.mean + self.z_thresh * std
+    elif z > self.z_thresh:
+      if self.clip_option == "adaptive_scaling":
+        eta = z / self.z_thresh
+        clip_val = (self.mean + self.z_thresh * std / eta) * self.clip_factor
+      else:
+        clip_val = self.mean
+    threshold = g if clip_val is None else clip_val
+    if self.max_grad_norm is not None:
+      threshold = min(threshold, self.max_grad_norm)
+    scale = threshold / (g + 1e-6) if g > threshold else 1.0
+    if clip_val is None or not self.skip_update_on_spike:
+      x = g if clip_val is None else clip_val
+      self.mean = self.alpha * self.mean + (1 - self.alpha) * x
+      self.var = self.alpha * self.var + (1 - self.alpha) * (x - self.mean) ** 2
+    return {"threshold": threshold, "scale": scale, "z": z,
+            "spike": clip_val is not None}
+
+
+CONFIGS = {
+    "defaults": ({}, 0.5),  # (zclip arguments, base norm)
+    "defaults_capped": ({}, 1.0),  # max_grad_norm=1 bites often
+    "no_cap": ({"max_grad_norm": None}, 1.0),
+    "mean": ({"max_grad_norm": None, "clip_option": "mean"}, 1.0),
+    "percentile": ({"max_grad_norm": None, "mode": "percentile", "alpha": 0.9},
+                   1.0),
+    "skip_factor": ({"max_grad_norm": 20.0, "skip_update_on_spike": True,
+                     "clip_factor": 0.8, "warmup_steps": 5, "z_thresh": 2.0},
+                    1.0),
+}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_matches_the_reference_step_by_step(config):
+  kwargs, base = CONFIGS[config]
+  steps = gradient_steps(norm_sequence(seed=5, base=base, spikes=SPIKES), seed=6)
+  reference = Reference(**kwargs)
+  tx = zclip(**kwargs)
+  step = jax.jit(tx.update)
+  state = tx.init(steps[0])
+  largest = Largest()
+  spikes = clipped = 0
+  for t, tree in enumerate(steps):
+    leaves = f64_leaves(tree)
+    g = float(np.sqrt(sum(np.sum(x ** 2) for x in leaves)))
+    want = reference.step(g)
+    out, state = step(tree, state)
+    largest.check("norm", state.norm, g)
+    largest.check("threshold", state.threshold, want["threshold"])
+    largest.check("scale", state.scale, want["scale"])
+    largest.check("z", state.z, want["z"], floor=1.0)
+    largest.check("ema mean", state.mean, reference.mean)
+    largest.check("ema var", state.var, reference.var)
+    for got, x in zip(jax.tree.leaves(out), leaves):
+      largest.check("clipped gradient", got, x * want["scale"])
+    spikes += want["spike"]
+    clipped += want["scale"] < 1
+    assert (int(state.count), int(state.spike_count), int(state.clipped_count)) \
+        == (t + 1, spikes, clipped), t
+  assert spikes >= 4  # the injected spikes after the warm-up were found
+  largest.report(f"zclip[{config}]")
+
+
+# --------------------------------------------------------------------------
+# The contract (as tests/test_contract.py for the core transforms). Not
+# applicable: idempotence and "no-op below the threshold" (the threshold
+# depends on the history; in warm-up the clip is torch's, which scales by
+# max_grad_norm / (norm + 1e-6) even a little below max_grad_norm).
+
+def make(**overrides):
+  return zclip(**{"warmup_steps": 3, "max_grad_norm": 0.5, **overrides})
+
+
+def warm(tx, grads, steps=3):
+  state = tx.init(grads)
+  for k in range(steps):
+    _, state = jax.jit(tx.update)(jax.tree.map(lambda x: x * (1 + 0.1 * k), grads),
+                                  state)
+  return state
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_dtype_and_state_types_are_stable(dtype):
+  tx = make()
+  grads = grads_like(dtype)
+  state = warm(tx, grads)  # past the warm-up: both phases are traced anyway
+  for update in (tx.update, jax.jit(tx.update)):
+    out, new_state = update(grads, state)
+    assert signature(out) == signature(grads)
+    assert signature(new_state) == signature(tx.init(grads))
+    assert not any(getattr(x, "weak_type", False)
+                   for x in jax.tree.leaves(new_state))
+
+
+def test_init_accepts_shape_dtype_structs():
+  tx = make()
+  grads = grads_like()
+  specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), grads)
+  assert signature(jax.eval_shape(tx.init, specs)) == signature(tx.init(grads))
+  out = jax.eval_shape(tx.update, specs, tx.init(grads))[0]
+  assert jax.tree.map(lambda s: (s.shape, s.dtype), out) == \
+      jax.tree.map(lambda x: (x.shape, x.dtype), grads)
+
+
+def test_eager_and_jit_agree_and_clip():
+  tx = make(max_grad_norm=None)
+  grads = grads_like()
+  state = warm(tx, grads)
+  spike = jax.tree.map(lambda x: x * 10, grads)
+  eager, eager_state = tx.update(spike, state)
+  jitted, jit_state = jax.jit(tx.update)(spike, state)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+               (eager, eager_state), (jitted, jit_state))
+  assert int(jit_state.spike_count) == 1 and float(jit_state.scale) < 0.2
+
+
+def test_composes_with_chain_and_multisteps():
+  grads = grads_like(scale=3.0)
+  clipped, _ = make().update(grads, make().init(grads))
+  chained = optax.chain(make(), optax.sgd(1.0))
+  updates, _ = jax.jit(chained.update)(grads, chained.init(grads), grads)
+  jax.tree.map(lambda u, c: np.testing.assert_allclose(u, -c, rtol=1e-6),
+               updates, clipped)
+  multi = optax.MultiSteps(optax.chain(make(), optax.sgd(1.0)), every_k_schedule=2)
+  state = multi.init(grads)
+  step = jax.jit(multi.update)
+  updates, state = step(grads, state, grads)
+  assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates))
+  updates, state = step(grads, state, grads)
+  jax.tree.map(lambda u, c: np.testing.assert_allclose(u, -c, rtol=1e-5),
+               updates, clipped)
+  assert int(state.inner_opt_state[0].count) == 1
+
+
+def test_inject_hyperparams_max_grad_norm_and_z_thresh():
+  grads = grads_like(scale=3.0)
+  injected = optax.inject_hyperparams(zclip)(warmup_steps=3, max_grad_norm=0.5)
+  state = injected.init(grads)
+  step = jax.jit(injected.update)
+  out, _ = step(grads, state)
+  expected, _ = make().update(grads, make().init(grads))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), out, expected)
+  # Far above the gradients, max_grad_norm turns warm-up clipping off.
+  state.hyperparams["max_grad_norm"] = jnp.asarray(1e6, jnp.float32)
+  out, state = step(grads, state)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), out, grads)
+  # After the warm-up, a z_thresh above any z-score turns spike clipping off.
+  for _ in range(3):
+    _, state = step(grads, state)
+  spike = jax.tree.map(lambda x: x * 10, grads)
+  state.hyperparams["z_thresh"] = jnp.asarray(1e9, jnp.float32)
+  out, _ = step(spike, state)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), out, spike)
+  state.hyperparams["z_thresh"] = jnp.asarray(2.5, jnp.float32)
+  out, after = step(spike, state)
+  assert int(after.inner_state.spike_count) == 1
+  assert float(oc.functional.global_norm(out)) < float(oc.functional.global_norm(grads)) * 1.01
+
+
+def test_state_is_a_checkpointable_pytree():
+  tx = make()
+  grads = grads_like(scale=3.0)
+  state = warm(tx, grads)
+  leaves, treedef = jax.tree.flatten(state)
+  restored = pickle.loads(pickle.dumps(
+      jax.tree.unflatten(treedef, [np.asarray(x) for x in leaves])))
+  assert type(restored) is type(state)
+  restored = jax.tree.map(jnp.asarray, restored)
+  assert signature(restored) == signature(state)
+  again, _ = jax.jit(tx.update)(grads, restored)
+  expected, _ = jax.jit(tx.update)(grads, state)
+  jax.tree.map(np.testing.assert_array_equal, again, expected)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"max_grad_norm": 0.0},
+                                    {"max_grad_norm": None, "eps": 0.0}])
+def test_finite_at_zero(kwargs):
+  # Zero gradients through the warm-up and after it (std = 0 there).
+  tx = make(**kwargs)
+  zeros = jax.tree.map(jnp.zeros_like, grads_like())
+  state = tx.init(zeros)
+  for _ in range(5):
+    out, state = jax.jit(tx.update)(zeros, state)
+  assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(out))
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state))
+  out, _ = jax.jit(tx.update)(grads_like(), state)  # after zeros: a spike
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(out))
+  loss = lambda g: sum(jnp.sum(x) for x in jax.tree.leaves(tx.update(g, state)[0]))
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(jax.grad(loss)(zeros)))
+
+
+def test_nonfinite_norm_is_kept_out_of_the_statistics():
+  tx = make()
+  grads = grads_like()
+  bad = jax.tree.map(lambda x: x.at[0].set(jnp.nan), grads)
+  step = jax.jit(tx.update)
+  state = tx.init(grads)
+  _, state = step(grads, state)
+  _, during = step(bad, state)  # in warm-up: not collected
+  assert int(during.collected) == 1 and int(during.nonfinite_count) == 1
+  state = warm(tx, grads)
+  out, after = step(bad, state)  # after it: the EMA is unchanged
+  assert np.isnan(np.asarray(out["norm"][0])).any()
+  assert (float(after.mean), float(after.var)) == (float(state.mean), float(state.var))
+  assert int(after.nonfinite_count) == 1
+
+
+def test_stats_report_threshold_norm_and_counts():
+  tx = optax.chain(make(), optax.sgd(0.1))
+  state = warm(tx, grads_like())
+  found = jax.jit(oc.stats)(state)
+  assert set(found) == {f"zclip/{k}" for k in (
+      "norm", "mean", "std", "z", "threshold", "scale", "count",
+      "clipped_count", "spike_count", "nonfinite_count", "clip_rate")}
+  assert int(found["zclip/count"]) == 3 and float(found["zclip/mean"]) > 0
+  assert all(v.shape == () for v in found.values())
+
+
+BAD_ARGS = [
+    ("alpha", 1.5, ValueError, "1.5"),
+    ("alpha", -0.1, ValueError, "-0.1"),
+    ("z_thresh", float("nan"), ValueError, "nan"),
+    ("max_grad_norm", -1.0, ValueError, "-1.0"),
+    ("eps", -1e-6, ValueError, "-1e-06"),
+    ("warmup_steps", 0, ValueError, "0"),
+    ("warmup_steps", 2.0, TypeError, "2.0"),
+    ("mode", "median", ValueError, "'median'"),
+    ("clip_option", "max", ValueError, "'max'"),
+    ("clip_factor", -1.0, ValueError, "-1.0"),
+    ("skip_update_on_spike", 1, TypeError, "1"),
+    ("axis_name", 1.5, TypeError, "1.5"),
+]
+
+
+@pytest.mark.parametrize("arg,value,error,shown", BAD_ARGS)
+def test_bad_arguments_name_the_argument(arg, value, error, shown):
+  with pytest.raises(error) as info:
+    zclip(**{arg: value})
+  assert f"`zclip({arg}=...)`" in str(info.value) and shown in str(info.value)
