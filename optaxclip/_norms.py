@@ -9,9 +9,13 @@ all-reduce of a small vector per step.
 
 The plain power sum overflows float32 for |x| above ~1.8e19 (squares) and
 loses everything below ~1e-19 (squares flush to zero). Only then, decided at
-run time by ``lax.cond``, a second pass rescales by a power of two ``2**k``
-just above the largest |x|: ``norm = 2**k * (sum (|x|/2**k)**p) ** (1/p)``. Finite input therefore gives the
-right finite norm, and ordinary input pays nothing for the safety net.
+run time by ``lax.cond``, a second pass sums rescaled values. For ``p = 2``
+(the common case) the scale is a fixed power of two, chosen by which end
+failed, so the rescue is one more pass and nothing else; other orders first
+find the largest |x| and rescale by the power of two just above it. Sums of
+``|x|`` (``p = 1``) and maxima (``inf``) overflow only when the norm itself
+does, and need no rescue. Finite input therefore gives the right finite norm,
+and ordinary input pays nothing for the safety net.
 """
 
 import functools
@@ -201,34 +205,40 @@ def _layout(x: jax.Array) -> Any:
   return mesh, sharding.spec
 
 
-def _groups(leaves: list[jax.Array]) -> list[list[int]]:
-  """Indices of leaves that reduce together (small, same shape, dtype and
-  sharding)."""
+def _groups(leaves: list[jax.Array]) -> list[tuple[Any, jax.Array]]:
+  """The leaves as ``(index, leaf)`` or ``(indices, stack of leaves)``.
+
+  Small leaves of the same shape, dtype and sharding are stacked, once: the
+  plain pass and the rare rescue pass both read these groups, so the rescue
+  adds no copy of the stacking to the program.
+  """
   by_key: dict[Any, list[int]] = {}
   for i, x in enumerate(leaves):
     layout = _layout(x)
     alone = x.size > GROUP_LIMIT or layout is None
     by_key.setdefault(i if alone else (x.shape, x.dtype, layout), []).append(i)
-  return list(by_key.values())
+  return [(rows[0], leaves[rows[0]]) if len(rows) == 1 else
+          (np.asarray(rows), jnp.stack([leaves[i] for i in rows]))
+          for rows in by_key.values()]
 
 
-def _per_leaf(leaves, elementwise, reduce) -> jax.Array:
+def _per_leaf(groups, elementwise, reduce) -> jax.Array:
   """``reduce(elementwise(x, rows))`` of every leaf, as a vector in leaf order.
 
   ``elementwise`` gets a leaf (or a stack of leaves) and its index (or the
   array of their indices), to pick per-leaf factors.
   """
   pieces, order = [], []
-  for rows in _groups(leaves):
-    if len(rows) == 1:
-      pieces.append(reduce(elementwise(leaves[rows[0]], rows[0]))[None])
+  for rows, values in groups:
+    values = elementwise(values, rows)
+    if np.ndim(rows) == 0:
+      pieces.append(reduce(values)[None])
+      order.append(rows)
     else:
-      stacked = jnp.stack([leaves[i] for i in rows])
-      values = elementwise(stacked, np.asarray(rows))
       # Reduced over the leaf axes as they are: a reshape of a sharded
       # stack would be a resharding.
       pieces.append(reduce(values, axis=tuple(range(1, values.ndim))))
-    order.extend(rows)
+      order.extend(rows)
   vector = jnp.concatenate(pieces)
   if order != sorted(order):
     vector = vector[np.argsort(order)]
@@ -261,8 +271,8 @@ def _reducer(p: Any):
   return jnp.sum
 
 
-def _power_sums(leaves, p, acc, reduction: Reduction) -> jax.Array:
-  partials = _per_leaf(leaves, lambda x, rows: _elementwise_power(x, p, acc),
+def _power_sums(groups, p, acc, reduction: Reduction) -> jax.Array:
+  partials = _per_leaf(groups, lambda x, rows: _elementwise_power(x, p, acc),
                        _reducer(p))
   if _is_order(p, math.inf):
     return reduction.max(partials)
@@ -294,14 +304,14 @@ def times_power_of_two(x: jax.Array, exponent: jax.Array) -> jax.Array:
   return x * low * high
 
 
-def _rescaled_sums(leaves, p, acc, reduction, *, shared: bool):
+def _rescaled_sums(groups, p, acc, reduction, *, shared: bool):
   """Power sums of ``|x| / 2**k``, with ``2**k`` just above the largest |x|.
 
   ``k`` is per leaf, or one for all leaves (``shared``). Returns
   ``(k, usable, sums)``: where the largest |x| is 0 or not finite (zeros, Inf,
   NaN) ``usable`` is False and ``k`` is 0.
   """
-  maxima = _power_sums(leaves, math.inf, acc, reduction)
+  maxima = _power_sums(groups, math.inf, acc, reduction)
   if shared:
     maxima = jnp.broadcast_to(jnp.max(maxima), maxima.shape)
   usable = jnp.isfinite(maxima) & (maxima > 0)
@@ -313,7 +323,7 @@ def _rescaled_sums(leaves, p, acc, reduction, *, shared: bool):
     factors = _rows_of(low, rows, x.ndim), _rows_of(high, rows, x.ndim)
     return _pow(magnitude(x, acc) * factors[0] * factors[1], p)
 
-  return exponents, usable, reduction.sum(_per_leaf(leaves, scaled_power, jnp.sum))
+  return exponents, usable, reduction.sum(_per_leaf(groups, scaled_power, jnp.sum))
 
 
 def _precision_floor(leaves, acc, reduction: Reduction) -> jax.Array:
@@ -327,9 +337,39 @@ def _precision_floor(leaves, acc, reduction: Reduction) -> jax.Array:
   return jnp.asarray(float(info.tiny) / float(info.eps), acc) * count
 
 
-def _needs_rescaling(sums, floor) -> jax.Array:
-  # Not `sums < inf` covers Inf and NaN; the safe pass then propagates them.
+def _square_rescue_exponents(sums, floor) -> jax.Array:
+  """For ``p = 2``: the power of two each sum of squares is redone with.
+
+  Overflowed (or NaN) sums are redone with ``2**-(maxexp/2 + 1)`` (2**-65 in
+  float32), which keeps the square of the largest float finite; sums below
+  ``floor`` with ``2**((1 - minexp)/2)`` (2**63), which lifts the square of
+  the smallest normal float into the normal range. Others keep 2**0.
+  """
+  info = jnp.finfo(sums.dtype)
+  overflow = -(info.maxexp // 2 + 1)
+  underflow = (1 - info.minexp) // 2
+  return jnp.where(~(sums < jnp.inf), overflow,
+                   jnp.where(sums < floor, underflow, 0)).astype(jnp.int32)
+
+
+def _rescued_squares(groups, acc, reduction, exponents) -> jax.Array:
+  """Sums of ``(x * 2**e)**2`` per leaf, ``e`` from ``exponents`` (per leaf)."""
+  low, high = _power_of_two_halves(exponents, acc)
+  factors = low * high  # both exponents are within the normal range
+
+  def scaled_square(x, rows):
+    return _elementwise_power(x * _rows_of(factors, rows, x.ndim), 2, acc)
+
+  return reduction.sum(_per_leaf(groups, scaled_square, jnp.sum))
+
+
+def _unsafe(sums, floor) -> jax.Array:
+  # Not `sums < inf` covers Inf and NaN; the rescue then propagates them.
   return jnp.any(~(sums < jnp.inf) | (sums < floor))
+
+
+def _needs_no_rescue(p) -> bool:
+  return _is_order(p, math.inf) or _is_order(p, 1)
 
 
 def _switch_on_order(norm_fn, p: jax.Array) -> jax.Array:
@@ -372,18 +412,23 @@ def leaf_norms(leaves, p, reduction):
   acc = _tree.accumulation_dtype(leaves)
   if not leaves:
     return jnp.zeros([0], acc)
-  sums = _power_sums(leaves, p, acc, reduction)
-  if _is_order(p, math.inf):
-    return sums
+  groups = _groups(leaves)
+  sums = _power_sums(groups, p, acc, reduction)
+  if _needs_no_rescue(p):
+    return sums if _is_order(p, math.inf) else safe_root(sums, p)
+  floor = _precision_floor(leaves, acc, reduction)
 
-  def rescaled():
-    exponents, usable, scaled = _rescaled_sums(leaves, p, acc, reduction,
+  def rescued():
+    if _is_order(p, 2):
+      exponents = _square_rescue_exponents(sums, floor)
+      squares = _rescued_squares(groups, acc, reduction, exponents)
+      return times_power_of_two(safe_root(squares, 2), -exponents)
+    exponents, usable, scaled = _rescaled_sums(groups, p, acc, reduction,
                                                shared=False)
     return jnp.where(usable, times_power_of_two(safe_root(scaled, p), exponents),
                      safe_root(sums, p))
 
-  unsafe = _needs_rescaling(sums, _precision_floor(leaves, acc, reduction))
-  return lax.cond(unsafe, rescaled, lambda: safe_root(sums, p))
+  return lax.cond(_unsafe(sums, floor), rescued, lambda: safe_root(sums, p))
 
 
 @_by_order
@@ -392,19 +437,27 @@ def norm_of_leaves(leaves, p, reduction):
   acc = _tree.accumulation_dtype(leaves)
   if not leaves:
     return jnp.zeros([], acc)
-  sums = _power_sums(leaves, p, acc, reduction)
+  groups = _groups(leaves)
+  sums = _power_sums(groups, p, acc, reduction)
   if _is_order(p, math.inf):
     return jnp.max(sums)
   total = jnp.sum(sums)
+  if _needs_no_rescue(p):
+    return total
+  floor = _precision_floor(leaves, acc, reduction)
 
-  def rescaled():
-    exponents, usable, scaled = _rescaled_sums(leaves, p, acc, reduction,
+  def rescued():
+    if _is_order(p, 2):
+      exponent = _square_rescue_exponents(total, floor)
+      squares = _rescued_squares(groups, acc, reduction,
+                                 jnp.broadcast_to(exponent, sums.shape))
+      return times_power_of_two(safe_root(jnp.sum(squares), 2), -exponent)
+    exponents, usable, scaled = _rescaled_sums(groups, p, acc, reduction,
                                                shared=True)
     norm = times_power_of_two(safe_root(jnp.sum(scaled), p), exponents[0])
     return jnp.where(usable[0], norm, safe_root(total, p))
 
-  unsafe = _needs_rescaling(total, _precision_floor(leaves, acc, reduction))
-  return lax.cond(unsafe, rescaled, lambda: safe_root(total, p))
+  return lax.cond(_unsafe(total, floor), rescued, lambda: safe_root(total, p))
 
 
 def global_norm(tree: PyTree, ord: float | str = 2, *, axis_name: Any = None,
@@ -466,7 +519,8 @@ def all_finite(tree: PyTree, *, axis_name: Any = None) -> jax.Array:
   leaves = _tree.clippable_leaves(tree)
   if not leaves:
     return jnp.bool_(True)
-  local = jnp.all(_per_leaf(leaves, lambda x, rows: jnp.isfinite(x), jnp.all))
+  local = jnp.all(_per_leaf(_groups(leaves), lambda x, rows: jnp.isfinite(x),
+                            jnp.all))
   if not axis_names:
     return local
   return lax.pmin(local.astype(jnp.int32), axis_names).astype(jnp.bool_)
