@@ -1,4 +1,7 @@
-"""Exploding gradients in a vanilla RNN, and what clipping does about them.
+"""Gradient clipping at work: exploding gradients, and loss spikes under Adam.
+
+Part 1: exploding gradients in a vanilla RNN
+--------------------------------------------
 
 The setting is that of Pascanu, Mikolov & Bengio (2013), "On the difficulty
 of training recurrent neural networks", ICML 2013 (arXiv:1211.5063):
@@ -33,14 +36,61 @@ Runs 2-4 clip the same way up to the last bit of rounding (4 divides by
 chaotic: their curves part after a few hundred steps and tell the same story.
 
 It prints a summary table and writes ``examples/output/demo.png`` (loss and
-pre-clip gradient norm per step). Usage::
+pre-clip gradient norm per step).
 
-    python examples/demo.py            # the full demo, under a minute on CPU
+Part 2: loss spikes from outlier batches under Adam
+---------------------------------------------------
+
+Large trainings meet another kind of spike: a few bad batches (corrupted
+data, a unit bug in one shard) whose gradient is orders of magnitude larger
+than usual. The second part trains a small MLP (8 -> 64 -> 64 -> 1, tanh)
+with ``optax.adamw(1e-3)`` to imitate a fixed random "teacher" network (a
+regression without noise), and multiplies the targets of the batches at
+steps 400, 401, 402, 900 and 1200 (of 1500) by 100: the gradient norm, about
+0.1 by then, jumps to 100-200. The loss is measured after every step on a
+fixed clean batch, so the curves show what the outliers did to the model,
+not the outliers' own loss. Five runs share the seed, the initial weights
+and every batch:
+
+1. a reference: ``optax.adamw`` on the same batches *without* the outliers,
+2. no clipping,
+3. ``optaxclip.clip_by_global_norm(1.0)``, the usual fixed threshold,
+4. ``optaxclip.zclip()``, with its defaults: ZClip (Kumar et al., "ZClip:
+   Adaptive Spike Mitigation for LLM Pre-Training", 2025, arXiv:2504.02507)
+   tracks the mean and standard deviation of the norm with an EMA, and cuts
+   a norm whose z-score exceeds 2.5 back to about the mean,
+5. ``optaxclip.skip_step(optax.adamw(1e-3), zscore=6.0, warmup_steps=50)``:
+   a step whose norm is more than 6 standard deviations above its running
+   mean is dropped (zero update, optimizer state untouched). PaLM (Chowdhery
+   et al. 2022, arXiv:2204.02311) skipped the batches around each loss spike
+   by hand, restarting from an earlier checkpoint; OLMo-core's skip-step
+   optimizers do it on the fly (see OLMo Team, "2 OLMo 2 Furious", 2025,
+   arXiv:2501.00656, on loss spikes).
+
+Adam divides each coordinate by the running RMS of its gradients, so the
+size of a gradient matters much less than its size *relative to the usual
+one*. Without clipping, the outliers (1000 times the usual norm) throw the
+model far off, and the second moments they inflate slow Adam down for
+thousands of steps: the run never gets back to the reference. A fixed
+threshold of 1.0 is far above the usual norm, so a clipped outlier is still
+10 times too large: the loss jumps about 20-fold and takes some 50 steps to
+recover. ZClip's threshold follows the norm, so an outlier is cut to about
+an ordinary step and the curve barely moves; ``skip_step`` drops the
+outliers and follows the reference. ZClip's z-score of 2.5 also catches some
+ordinary steps (its clip rate is a few percent); they are only trimmed.
+
+It prints a second table (loss at the end, worst loss within 50 steps after
+an outlier, clip or skip rate from ``optaxclip.stats``, steps skipped) and
+writes ``spikes.png`` next to ``demo.png`` (clean loss and pre-clip
+gradient norm per step). Usage::
+
+    python examples/demo.py            # both parts, about a minute on CPU
     python examples/demo.py --quick    # a tiny smoke-test configuration
-    python examples/demo.py --steps 5000
+    python examples/demo.py --steps 5000   # steps of the RNN part
 """
 
 import argparse
+import functools
 import pathlib
 import sys
 import time
@@ -60,6 +110,7 @@ SEED = 0
 THRESHOLD = 1.0  # the global-norm threshold of runs 2-4
 VALUE_THRESHOLD = 0.01  # run 5, per element: ~ THRESHOLD / sqrt(4353 params)
 OUTPUT = pathlib.Path(__file__).resolve().parent / "output" / "demo.png"
+SPIKES_PNG = "spikes.png"  # part 2's figure, written next to part 1's
 
 FULL = dict(steps=3000, length=50, hidden=64, batch=64, chunk=100)
 QUICK = dict(steps=60, length=20, hidden=16, batch=16, chunk=20)
@@ -107,7 +158,8 @@ def make_train_chunk(tx, cfg):
     loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
     norm = oc.functional.global_norm(grads)  # before clipping
     updates, opt_state = tx.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state), (loss, norm)
+    params = optax.apply_updates(params, updates)
+    return (params, opt_state), {"loss": loss, "norm": norm}
 
   @jax.jit
   def train_chunk(params, opt_state, steps):
@@ -119,18 +171,21 @@ def make_train_chunk(tx, cfg):
 def train(name, tx, cfg):
   """Trains from the shared initial weights; returns per-step logs."""
   params = init_params(jax.random.PRNGKey(SEED), cfg["hidden"])
-  opt_state = tx.init(params)
-  train_chunk = make_train_chunk(tx, cfg)
-  losses, norms = [], []
+  return run_chunks(name, make_train_chunk(tx, cfg), params, tx.init(params),
+                    cfg)
+
+
+def run_chunks(name, train_chunk, params, opt_state, cfg):
+  """Calls ``train_chunk`` until ``cfg["steps"]``; returns per-step logs."""
+  chunks = []
   for start in range(0, cfg["steps"], cfg["chunk"]):
     steps = jnp.arange(start, min(start + cfg["chunk"], cfg["steps"]))
-    (params, opt_state), (loss, norm) = train_chunk(params, opt_state, steps)
-    losses.append(np.asarray(loss))
-    norms.append(np.asarray(norm))
-    progress(name, start + len(steps), cfg["steps"], losses[-1][-1])
+    (params, opt_state), log = train_chunk(params, opt_state, steps)
+    chunks.append(jax.device_get(log))
+    progress(name, start + len(steps), cfg["steps"], chunks[-1]["loss"][-1])
   print(file=sys.stderr)
-  return {"loss": np.concatenate(losses), "norm": np.concatenate(norms),
-          "opt_state": opt_state}
+  logs = jax.tree.map(lambda *steps: np.concatenate(steps), *chunks)
+  return {**logs, "opt_state": opt_state}
 
 
 def progress(name, done, total, loss, width=30):
@@ -152,6 +207,17 @@ def clip_rate(log, threshold):
   return f"{np.mean(np.isfinite(norm) & (norm > threshold)):.1%}"
 
 
+def print_rows(rows):
+  """Prints a table: a header, then rows; the first column left-aligned."""
+  widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+  for i, row in enumerate(rows):
+    cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in
+                                         zip(row[1:], widths[1:])]
+    print("  ".join(cells))
+    if i == 0:
+      print("  ".join("-" * w for w in widths))
+
+
 def print_table(runs, logs):
   rows = [("run", "final loss", "NaN steps", "clip rate")]
   for (name, _, threshold), log in zip(runs, logs):
@@ -159,13 +225,7 @@ def print_table(runs, logs):
     final = "nan" if np.isnan(last).any() else f"{last.mean():.4f}"
     rows.append((name, final, str(int(np.isnan(log["loss"]).sum())),
                  clip_rate(log, threshold)))
-  widths = [max(len(row[i]) for row in rows) for i in range(4)]
-  for i, row in enumerate(rows):
-    cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in
-                                         zip(row[1:], widths[1:])]
-    print("  ".join(cells))
-    if i == 0:
-      print("  ".join("-" * w for w in widths))
+  print_rows(rows)
   print("(final loss: mean of the last 20 steps; predicting the mean gives "
         f"{1 / 6:.3f})")
 
@@ -218,13 +278,188 @@ def plot(runs, logs, path):
   plt.close(fig)
 
 
+# Part 2: loss spikes from outlier batches under Adam.
+
+SPIKES_FULL = dict(steps=1500, outliers=(400, 401, 402, 900, 1200),
+                   hidden=64, batch=64, eval_batch=1024, chunk=100)
+SPIKES_QUICK = dict(steps=100, outliers=(60, 61, 80), hidden=16, batch=16,
+                    eval_batch=128, chunk=50)
+ADAM_LR = 1e-3
+OUTLIER_SCALE = 100.0  # the targets of an outlier batch are multiplied by it
+INPUTS, TEACHER_HIDDEN = 8, 32
+ZSCORE = 6.0  # skip_step's threshold
+AFTER = 50  # the table's "after an outlier": the 50 steps from one on
+
+
+def init_mlp(key, sizes):
+  """A tanh MLP with the layer widths ``sizes``, as a list of layers."""
+  keys = jax.random.split(key, len(sizes) - 1)
+  return [{"w": jax.random.normal(k, (m, n)) / np.sqrt(m), "b": jnp.zeros(n)}
+          for k, m, n in zip(keys, sizes[:-1], sizes[1:])]
+
+
+def mlp(params, inputs):
+  for layer in params[:-1]:
+    inputs = jnp.tanh(inputs @ layer["w"] + layer["b"])
+  return (inputs @ params[-1]["w"] + params[-1]["b"])[:, 0]
+
+
+def mse(params, inputs, targets):
+  return jnp.mean((mlp(params, inputs) - targets) ** 2)
+
+
+@functools.cache  # runs with the same optimizer share one compilation
+def make_spike_chunk(tx, batch, eval_batch, outliers):
+  """Like ``make_train_chunk``, for the teacher-student regression.
+
+  ``train_chunk(params, opt_state, steps, scale)`` multiplies the targets
+  of the batches at the steps in ``outliers`` by ``scale``. It logs, per
+  step, the loss on a fixed clean batch after the update, the pre-clip norm
+  and the optaxclip statistics of the state.
+  """
+  teacher = init_mlp(jax.random.PRNGKey(SEED + 2), [INPUTS, TEACHER_HIDDEN, 1])
+  data_key = jax.random.PRNGKey(SEED + 1)
+  outliers = jnp.asarray(outliers, jnp.int32)
+
+  def teacher_batch(key, size):
+    inputs = jax.random.normal(key, (size, INPUTS))
+    return inputs, mlp(teacher, inputs)
+
+  clean = teacher_batch(jax.random.PRNGKey(SEED + 3), eval_batch)
+
+  def train_step(carry, step, scale):
+    params, opt_state = carry
+    inputs, targets = teacher_batch(jax.random.fold_in(data_key, step),
+                                    batch)  # the same in every run
+    targets *= jnp.where(jnp.any(step == outliers), scale, 1.0)
+    grads = jax.grad(mse)(params, inputs, targets)
+    norm = oc.functional.global_norm(grads)  # before clipping
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return (params, opt_state), {"loss": mse(params, *clean), "norm": norm,
+                                 "stats": oc.stats(opt_state)}
+
+  @jax.jit
+  def train_chunk(params, opt_state, steps, scale):
+    return jax.lax.scan(functools.partial(train_step, scale=scale),
+                        (params, opt_state), steps)
+
+  return train_chunk
+
+
+def train_spikes(name, tx, cfg, scale):
+  """Trains with the targets of the outlier batches multiplied by ``scale``."""
+  params = init_mlp(jax.random.PRNGKey(SEED),
+                    [INPUTS, cfg["hidden"], cfg["hidden"], 1])
+  train_chunk = make_spike_chunk(tx, cfg["batch"], cfg["eval_batch"],
+                                 cfg["outliers"])
+  return run_chunks(name, functools.partial(train_chunk, scale=scale), params,
+                    tx.init(params), cfg)
+
+
+def after_outliers(cfg):
+  """A mask of the steps at most ``AFTER - 1`` steps after an outlier."""
+  mask = np.zeros(cfg["steps"], bool)
+  for step in cfg["outliers"]:
+    mask[step:step + AFTER] = True
+  return mask
+
+
+def print_spike_table(runs, logs, cfg):
+  after = after_outliers(cfg)
+  reference_peak = logs[0]["loss"][after].max()  # run 0 saw no outlier
+  rows = [("run", "final loss", "worst after outliers", "clip/skip rate",
+           "steps skipped")]
+  for (name, _, _), log in zip(runs, logs):
+    stats = {k: float(v) for k, v in oc.stats(log["opt_state"]).items()}
+    rates = [v for k, v in stats.items()
+             if k.endswith(("/clip_rate", "/skip_rate"))]
+    skipped = stats.get("skip/skipped_count")
+    peak = log["loss"][after].max()
+    rows.append((name, f"{log['loss'][-AFTER:].mean():.2e}",
+                 f"{peak:.2e} ({peak / reference_peak:.1f}x)",
+                 f"{rates[0]:.1%}" if rates else "-",
+                 "-" if skipped is None else str(int(skipped))))
+  print_rows(rows)
+  print(f"(loss on a clean batch; final: mean of the last {AFTER} steps; "
+        f"worst: the highest\n within {AFTER} steps of an outlier batch, and "
+        "how many times the reference's)")
+  for (name, _, _), log in zip(runs, logs):
+    stats = oc.stats(log["opt_state"])
+    if "zclip/spike_count" in stats:
+      print(f"({name} saw {int(stats['zclip/spike_count'])} spikes: "
+            f"{len(cfg['outliers'])} outliers, the rest ordinary steps with "
+            "a z-score above 2.5)")
+
+
+def plot_spikes(runs, logs, cfg, path):
+  fig, (ax_loss, ax_norm) = plt.subplots(1, 2, figsize=(13, 4.5))
+  steps = np.arange(cfg["steps"])
+  for i, ((name, _, _), log) in enumerate(zip(runs, logs)):
+    style = dict(color="black", ls="--") if i == 0 else {}
+    (line,) = ax_loss.plot(steps, log["loss"], lw=1, label=name,
+                           zorder=len(runs) - i, **style)  # reference on top
+    ax_norm.plot(steps, log["norm"], lw=0.6, alpha=0.7, label=name,
+                 color=line.get_color(), ls=line.get_linestyle(), zorder=i)
+    # The norm each clipper handed on to Adam at the outliers.
+    scales = [v for k, v in log["stats"].items() if k.endswith("/scale")]
+    if scales:
+      kept = log["norm"] * scales[0]
+      ax_norm.plot(cfg["outliers"], kept[list(cfg["outliers"])], "v",
+                   color=line.get_color(), ms=6,
+                   label=f"{name}: norm after clipping")
+  for step in cfg["outliers"]:
+    for ax in (ax_loss, ax_norm):
+      ax.axvline(step, color="gray", lw=0.8, ls=":", zorder=0)
+  ax_norm.axhline(1.0, color="black", lw=1, ls="-.",
+                  label="fixed clip threshold (1)")
+  ax_loss.set(yscale="log", xlabel="step",
+              title="loss on a clean batch (dotted: outlier batches)")
+  ax_norm.set(yscale="log", xlabel="step",
+              title="global gradient norm before clipping")
+  ax_loss.legend(fontsize=8, loc="upper right")
+  ax_norm.legend(fontsize=8, loc="center right")
+  fig.suptitle(f"MLP regression with Adam; targets x{OUTLIER_SCALE:g} at steps "
+               + ", ".join(map(str, cfg["outliers"])))
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def spikes_part(quick, out):
+  cfg = dict(SPIKES_QUICK if quick else SPIKES_FULL)
+  adamw = optax.adamw(ADAM_LR)
+  runs = [  # (name, transformation, what the outliers' targets are scaled by)
+      ("reference (no outliers)", adamw, 1.0),
+      ("no clipping", adamw, OUTLIER_SCALE),
+      ("clip_by_global_norm(1)",
+       optax.chain(oc.clip_by_global_norm(1.0), adamw), OUTLIER_SCALE),
+      ("zclip()", optax.chain(oc.zclip(), adamw), OUTLIER_SCALE),
+      (f"skip_step(zscore={ZSCORE:g})",
+       oc.skip_step(adamw, zscore=ZSCORE, warmup_steps=50), OUTLIER_SCALE),
+  ]
+  print(f"\nregression with outliers: MLP {INPUTS}-{cfg['hidden']}-"
+        f"{cfg['hidden']}-1, batch {cfg['batch']}, {cfg['steps']} steps of "
+        f"adamw (lr {ADAM_LR:g}); targets x{OUTLIER_SCALE:g} at steps "
+        + ", ".join(map(str, cfg["outliers"])), flush=True)
+  start = time.perf_counter()
+  logs = [train_spikes(name, tx, cfg, scale) for name, tx, scale in runs]
+  print(f"trained {len(runs)} runs in {time.perf_counter() - start:.1f} s\n")
+  print_spike_table(runs, logs, cfg)
+  plot_spikes(runs, logs, cfg, out)
+  print(f"\nwrote {out}")
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--steps", type=int, help="training steps per run")
+  parser.add_argument("--steps", type=int,
+                      help="training steps per run of part 1 (the RNN)")
   parser.add_argument("--quick", action="store_true",
                       help="a tiny configuration, for smoke tests")
   parser.add_argument("--out", type=pathlib.Path, default=OUTPUT,
-                      help=f"where to write the PNG (default {OUTPUT})")
+                      help=f"where to write part 1's PNG (default {OUTPUT}); "
+                      f"part 2's goes next to it as {SPIKES_PNG}")
   args = parser.parse_args()
   cfg = dict(QUICK if args.quick else FULL)
   if args.steps is not None:
@@ -254,6 +489,7 @@ def main():
   print_table(runs, logs)
   plot(runs, logs, args.out)
   print(f"\nwrote {args.out}")
+  spikes_part(args.quick, args.out.with_name(SPIKES_PNG))
 
 
 if __name__ == "__main__":

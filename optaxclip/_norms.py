@@ -205,51 +205,76 @@ def _layout(x: jax.Array) -> Any:
   return mesh, sharding.spec
 
 
-def _groups(leaves: list[jax.Array]) -> list[tuple[Any, jax.Array]]:
+def _groups(leaves: list[jax.Array], *,
+            merge: bool = False) -> list[tuple[Any, jax.Array]]:
   """The leaves as ``(index, leaf)`` or ``(indices, stack of leaves)``.
 
   Small leaves of the same shape, dtype and sharding are stacked, once: the
   plain pass and the rare rescue pass both read these groups, so the rescue
-  adds no copy of the stacking to the program.
+  adds no copy of the stacking to the program. With ``merge`` (a global norm
+  that needs no per-leaf partials), small unsharded leaves of one dtype are
+  concatenated whatever their shapes: one reduction for all of them, as
+  ``(None, flat vector)``.
   """
   by_key: dict[Any, list[int]] = {}
   for i, x in enumerate(leaves):
     layout = _layout(x)
-    alone = x.size > GROUP_LIMIT or layout is None
-    by_key.setdefault(i if alone else (x.shape, x.dtype, layout), []).append(i)
-  return [(rows[0], leaves[rows[0]]) if len(rows) == 1 else
-          (np.asarray(rows), jnp.stack([leaves[i] for i in rows]))
-          for rows in by_key.values()]
+    if x.size > GROUP_LIMIT or layout is None:
+      key = i
+    elif merge and layout == ():
+      key = ("flat", x.dtype)
+    else:
+      key = (x.shape, x.dtype, layout)
+    by_key.setdefault(key, []).append(i)
+  groups = []
+  for key, rows in by_key.items():
+    if len(rows) == 1:
+      groups.append((rows[0], leaves[rows[0]]))
+    elif key[0] == "flat":
+      groups.append((None, jnp.concatenate([leaves[i].ravel() for i in rows])))
+    else:
+      groups.append((np.asarray(rows), jnp.stack([leaves[i] for i in rows])))
+  return groups
+
+
+def _take(vector: jax.Array, indices) -> jax.Array:
+  """``vector[indices]`` for static in-bounds indices: a bare gather."""
+  return vector.at[np.asarray(indices)].get(mode="promise_in_bounds",
+                                            unique_indices=True)
 
 
 def _per_leaf(groups, elementwise, reduce) -> jax.Array:
   """``reduce(elementwise(x, rows))`` of every leaf, as a vector in leaf order.
 
   ``elementwise`` gets a leaf (or a stack of leaves) and its index (or the
-  array of their indices), to pick per-leaf factors.
+  array of their indices), to pick per-leaf factors. A merged group (rows
+  None) gives one value for all its leaves: the vector is then per group,
+  fit for a total only.
   """
   pieces, order = [], []
   for rows, values in groups:
     values = elementwise(values, rows)
-    if np.ndim(rows) == 0:
+    if rows is None or np.ndim(rows) == 0:
       pieces.append(reduce(values)[None])
-      order.append(rows)
+      order.append(-1 if rows is None else rows)
     else:
       # Reduced over the leaf axes as they are: a reshape of a sharded
       # stack would be a resharding.
       pieces.append(reduce(values, axis=tuple(range(1, values.ndim))))
       order.extend(rows)
   vector = jnp.concatenate(pieces)
-  if order != sorted(order):
-    vector = vector[np.argsort(order)]
+  if -1 not in order and order != sorted(order):
+    vector = _take(vector, np.argsort(order))
   return vector
 
 
-def _rows_of(vector: jax.Array, rows, ndim: int) -> jax.Array:
-  """``vector[rows]``, shaped to broadcast against the leaf or stack."""
+def _factor_for(factors: jax.Array, rows, ndim: int) -> jax.Array:
+  """The factor of a leaf or stack: shared (a scalar) or ``factors[rows]``."""
+  if factors.ndim == 0:
+    return factors
   if np.ndim(rows) == 0:
-    return vector[rows]
-  return vector[rows].reshape((-1,) + (1,) * (ndim - 1))
+    return factors[rows]
+  return _take(factors, rows).reshape((-1,) + (1,) * (ndim - 1))
 
 
 def _elementwise_power(x: jax.Array, p: Any, acc: jnp.dtype) -> jax.Array:
@@ -307,20 +332,20 @@ def times_power_of_two(x: jax.Array, exponent: jax.Array) -> jax.Array:
 def _rescaled_sums(groups, p, acc, reduction, *, shared: bool):
   """Power sums of ``|x| / 2**k``, with ``2**k`` just above the largest |x|.
 
-  ``k`` is per leaf, or one for all leaves (``shared``). Returns
+  ``k`` is per leaf, or one scalar for all leaves (``shared``). Returns
   ``(k, usable, sums)``: where the largest |x| is 0 or not finite (zeros, Inf,
   NaN) ``usable`` is False and ``k`` is 0.
   """
   maxima = _power_sums(groups, math.inf, acc, reduction)
   if shared:
-    maxima = jnp.broadcast_to(jnp.max(maxima), maxima.shape)
+    maxima = jnp.max(maxima)
   usable = jnp.isfinite(maxima) & (maxima > 0)
   _, exponents = jnp.frexp(jnp.where(usable, maxima, 1))
   exponents = jnp.where(usable, exponents, 0)
   low, high = _power_of_two_halves(-exponents, acc)
 
   def scaled_power(x, rows):
-    factors = _rows_of(low, rows, x.ndim), _rows_of(high, rows, x.ndim)
+    factors = _factor_for(low, rows, x.ndim), _factor_for(high, rows, x.ndim)
     return _pow(magnitude(x, acc) * factors[0] * factors[1], p)
 
   return exponents, usable, reduction.sum(_per_leaf(groups, scaled_power, jnp.sum))
@@ -353,12 +378,12 @@ def _square_rescue_exponents(sums, floor) -> jax.Array:
 
 
 def _rescued_squares(groups, acc, reduction, exponents) -> jax.Array:
-  """Sums of ``(x * 2**e)**2`` per leaf, ``e`` from ``exponents`` (per leaf)."""
+  """Sums of ``(x * 2**e)**2``, ``e`` one scalar or one per leaf."""
   low, high = _power_of_two_halves(exponents, acc)
   factors = low * high  # both exponents are within the normal range
 
   def scaled_square(x, rows):
-    return _elementwise_power(x * _rows_of(factors, rows, x.ndim), 2, acc)
+    return _elementwise_power(x * _factor_for(factors, rows, x.ndim), 2, acc)
 
   return reduction.sum(_per_leaf(groups, scaled_square, jnp.sum))
 
@@ -437,7 +462,7 @@ def norm_of_leaves(leaves, p, reduction):
   acc = _tree.accumulation_dtype(leaves)
   if not leaves:
     return jnp.zeros([], acc)
-  groups = _groups(leaves)
+  groups = _groups(leaves, merge=reduction.replicated_axes is None)
   sums = _power_sums(groups, p, acc, reduction)
   if _is_order(p, math.inf):
     return jnp.max(sums)
@@ -449,13 +474,12 @@ def norm_of_leaves(leaves, p, reduction):
   def rescued():
     if _is_order(p, 2):
       exponent = _square_rescue_exponents(total, floor)
-      squares = _rescued_squares(groups, acc, reduction,
-                                 jnp.broadcast_to(exponent, sums.shape))
+      squares = _rescued_squares(groups, acc, reduction, exponent)
       return times_power_of_two(safe_root(jnp.sum(squares), 2), -exponent)
-    exponents, usable, scaled = _rescaled_sums(groups, p, acc, reduction,
-                                               shared=True)
-    norm = times_power_of_two(safe_root(jnp.sum(scaled), p), exponents[0])
-    return jnp.where(usable[0], norm, safe_root(total, p))
+    exponent, usable, scaled = _rescaled_sums(groups, p, acc, reduction,
+                                              shared=True)
+    norm = times_power_of_two(safe_root(jnp.sum(scaled), p), exponent)
+    return jnp.where(usable, norm, safe_root(total, p))
 
   return lax.cond(_unsafe(total, floor), rescued, lambda: safe_root(total, p))
 
