@@ -291,8 +291,9 @@ ZSCORE = 6.0  # skip_step's threshold
 AFTER = 50  # the table's "after an outlier": the 50 steps from one on
 
 
+@functools.partial(jax.jit, static_argnums=1)  # one compilation, not many
 def init_mlp(key, sizes):
-  """A tanh MLP with the layer widths ``sizes``, as a list of layers."""
+  """A tanh MLP with the layer widths ``sizes`` (a tuple), as a list."""
   keys = jax.random.split(key, len(sizes) - 1)
   return [{"w": jax.random.normal(k, (m, n)) / np.sqrt(m), "b": jnp.zeros(n)}
           for k, m, n in zip(keys, sizes[:-1], sizes[1:])]
@@ -317,17 +318,16 @@ def make_spike_chunk(tx, batch, eval_batch, outliers):
   step, the loss on a fixed clean batch after the update, the pre-clip norm
   and the optaxclip statistics of the state.
   """
-  teacher = init_mlp(jax.random.PRNGKey(SEED + 2), [INPUTS, TEACHER_HIDDEN, 1])
   data_key = jax.random.PRNGKey(SEED + 1)
   outliers = jnp.asarray(outliers, jnp.int32)
 
   def teacher_batch(key, size):
+    teacher = init_mlp(jax.random.PRNGKey(SEED + 2),
+                       (INPUTS, TEACHER_HIDDEN, 1))  # the same every time
     inputs = jax.random.normal(key, (size, INPUTS))
     return inputs, mlp(teacher, inputs)
 
-  clean = teacher_batch(jax.random.PRNGKey(SEED + 3), eval_batch)
-
-  def train_step(carry, step, scale):
+  def train_step(carry, step, scale, clean):
     params, opt_state = carry
     inputs, targets = teacher_batch(jax.random.fold_in(data_key, step),
                                     batch)  # the same in every run
@@ -341,8 +341,9 @@ def make_spike_chunk(tx, batch, eval_batch, outliers):
 
   @jax.jit
   def train_chunk(params, opt_state, steps, scale):
-    return jax.lax.scan(functools.partial(train_step, scale=scale),
-                        (params, opt_state), steps)
+    clean = teacher_batch(jax.random.PRNGKey(SEED + 3), eval_batch)
+    step_fn = functools.partial(train_step, scale=scale, clean=clean)
+    return jax.lax.scan(step_fn, (params, opt_state), steps)
 
   return train_chunk
 
@@ -350,7 +351,7 @@ def make_spike_chunk(tx, batch, eval_batch, outliers):
 def train_spikes(name, tx, cfg, scale):
   """Trains with the targets of the outlier batches multiplied by ``scale``."""
   params = init_mlp(jax.random.PRNGKey(SEED),
-                    [INPUTS, cfg["hidden"], cfg["hidden"], 1])
+                    (INPUTS, cfg["hidden"], cfg["hidden"], 1))
   train_chunk = make_spike_chunk(tx, cfg["batch"], cfg["eval_batch"],
                                  cfg["outliers"])
   return run_chunks(name, functools.partial(train_chunk, scale=scale), params,
