@@ -285,8 +285,10 @@ SPIKES_FULL = dict(steps=1500, outliers=(400, 401, 402, 900, 1200),
 SPIKES_QUICK = dict(steps=100, outliers=(60, 61, 80), hidden=16, batch=16,
                     eval_batch=128, chunk=50)
 ADAM_LR = 1e-3
-OUTLIER_SCALE = 100.0  # the targets of an outlier batch are multiplied by it
 INPUTS, TEACHER_HIDDEN = 8, 32
+TARGET_SCALE = 0.25  # the teacher's outputs, times this, are the targets
+OUTLIER_SCALE = 100.0  # and an outlier batch's targets are multiplied by it
+CLIP = 1.0  # the fixed global-norm threshold
 ZSCORE = 6.0  # skip_step's threshold
 AFTER = 50  # the table's "after an outlier": the 50 steps from one on
 
@@ -309,6 +311,13 @@ def mse(params, inputs, targets):
   return jnp.mean((mlp(params, inputs) - targets) ** 2)
 
 
+def teacher_batch(key, size):
+  """Inputs [size, INPUTS] and targets [size] from a fixed random network."""
+  teacher = init_mlp(jax.random.PRNGKey(SEED + 2), (INPUTS, TEACHER_HIDDEN, 1))
+  inputs = jax.random.normal(key, (size, INPUTS))
+  return inputs, TARGET_SCALE * mlp(teacher, inputs)
+
+
 @functools.cache  # runs with the same optimizer share one compilation
 def make_spike_chunk(tx, batch, eval_batch, outliers):
   """Like ``make_train_chunk``, for the teacher-student regression.
@@ -316,16 +325,10 @@ def make_spike_chunk(tx, batch, eval_batch, outliers):
   ``train_chunk(params, opt_state, steps, scale)`` multiplies the targets
   of the batches at the steps in ``outliers`` by ``scale``. It logs, per
   step, the loss on a fixed clean batch after the update, the pre-clip norm
-  and the optaxclip statistics of the state.
+  and the optaxclip statistics of the optimizer state.
   """
   data_key = jax.random.PRNGKey(SEED + 1)
   outliers = jnp.asarray(outliers, jnp.int32)
-
-  def teacher_batch(key, size):
-    teacher = init_mlp(jax.random.PRNGKey(SEED + 2),
-                       (INPUTS, TEACHER_HIDDEN, 1))  # the same every time
-    inputs = jax.random.normal(key, (size, INPUTS))
-    return inputs, mlp(teacher, inputs)
 
   def train_step(carry, step, scale, clean):
     params, opt_state = carry
@@ -352,6 +355,10 @@ def train_spikes(name, tx, cfg, scale):
   """Trains with the targets of the outlier batches multiplied by ``scale``."""
   params = init_mlp(jax.random.PRNGKey(SEED),
                     (INPUTS, cfg["hidden"], cfg["hidden"], 1))
+  # A zero read-out starts at output 0: the gradient norm then stays below
+  # CLIP from the first step, and the clipped runs follow the reference up
+  # to the first outlier.
+  params[-1] = jax.tree.map(jnp.zeros_like, params[-1])
   train_chunk = make_spike_chunk(tx, cfg["batch"], cfg["eval_batch"],
                                  cfg["outliers"])
   return run_chunks(name, functools.partial(train_chunk, scale=scale), params,
@@ -372,56 +379,60 @@ def print_spike_table(runs, logs, cfg):
   rows = [("run", "final loss", "worst after outliers", "clip/skip rate",
            "steps skipped")]
   for (name, _, _), log in zip(runs, logs):
-    stats = {k: float(v) for k, v in oc.stats(log["opt_state"]).items()}
+    stats = oc.stats(log["opt_state"])
     rates = [v for k, v in stats.items()
              if k.endswith(("/clip_rate", "/skip_rate"))]
     skipped = stats.get("skip/skipped_count")
     peak = log["loss"][after].max()
     rows.append((name, f"{log['loss'][-AFTER:].mean():.2e}",
                  f"{peak:.2e} ({peak / reference_peak:.1f}x)",
-                 f"{rates[0]:.1%}" if rates else "-",
+                 f"{float(rates[0]):.1%}" if rates else "-",
                  "-" if skipped is None else str(int(skipped))))
   print_rows(rows)
-  print(f"(loss on a clean batch; final: mean of the last {AFTER} steps; "
-        f"worst: the highest\n within {AFTER} steps of an outlier batch, and "
+  print(f"(loss on a clean batch. final: mean of the last {AFTER} steps; "
+        f"worst: the highest\nwithin {AFTER} steps of an outlier batch, and "
         "how many times the reference's)")
   for (name, _, _), log in zip(runs, logs):
-    stats = oc.stats(log["opt_state"])
-    if "zclip/spike_count" in stats:
-      print(f"({name} saw {int(stats['zclip/spike_count'])} spikes: "
-            f"{len(cfg['outliers'])} outliers, the rest ordinary steps with "
-            "a z-score above 2.5)")
+    if "zclip/spike_count" in log["stats"]:  # which steps ZClip cut back
+      flagged = np.flatnonzero(np.diff(log["stats"]["zclip/spike_count"],
+                                       prepend=0))
+      caught = np.isin(cfg["outliers"], flagged).sum()
+      print(f"({name} cut {len(flagged)} steps as spikes: {caught} of the "
+            f"{len(cfg['outliers'])} outliers and {len(flagged) - caught} "
+            "ordinary steps with a z-score above 2.5)")
 
 
 def plot_spikes(runs, logs, cfg, path):
-  fig, (ax_loss, ax_norm) = plt.subplots(1, 2, figsize=(13, 4.5))
+  fig, (ax_loss, ax_norm) = plt.subplots(1, 2, figsize=(13, 5))
   steps = np.arange(cfg["steps"])
+  outliers = list(cfg["outliers"])
   for i, ((name, _, _), log) in enumerate(zip(runs, logs)):
-    style = dict(color="black", ls="--") if i == 0 else {}
-    (line,) = ax_loss.plot(steps, log["loss"], lw=1, label=name,
-                           zorder=len(runs) - i, **style)  # reference on top
-    ax_norm.plot(steps, log["norm"], lw=0.6, alpha=0.7, label=name,
-                 color=line.get_color(), ls=line.get_linestyle(), zorder=i)
-    # The norm each clipper handed on to Adam at the outliers.
+    # The reference is a wide grey band, under the runs that follow it.
+    color, width = ("0.7", 4) if i == 0 else (f"C{i - 1}", 1)
+    ax_loss.plot(steps, log["loss"], color=color, lw=width, label=name,
+                 zorder=i)
+    ax_norm.plot(steps, log["norm"], color=color, lw=width * 0.6, alpha=0.7,
+                 zorder=i)
+    # The norm that each clipper handed on to Adam at the outliers.
     scales = [v for k, v in log["stats"].items() if k.endswith("/scale")]
     if scales:
-      kept = log["norm"] * scales[0]
-      ax_norm.plot(cfg["outliers"], kept[list(cfg["outliers"])], "v",
-                   color=line.get_color(), ms=6,
+      ax_norm.plot(outliers, (log["norm"] * scales[0])[outliers], "v",
+                   color=color, mec="black", ms=8, zorder=10,
                    label=f"{name}: norm after clipping")
-  for step in cfg["outliers"]:
+  for step in outliers:
     for ax in (ax_loss, ax_norm):
-      ax.axvline(step, color="gray", lw=0.8, ls=":", zorder=0)
-  ax_norm.axhline(1.0, color="black", lw=1, ls="-.",
-                  label="fixed clip threshold (1)")
+      ax.axvline(step, color="gray", lw=0.8, ls=":", zorder=-1)
+  ax_norm.axhline(CLIP, color="black", lw=1, ls="-.",
+                  label=f"fixed clip threshold ({CLIP:g})")
   ax_loss.set(yscale="log", xlabel="step",
               title="loss on a clean batch (dotted: outlier batches)")
-  ax_norm.set(yscale="log", xlabel="step",
+  low, high = y_range(logs, "norm")
+  ax_norm.set(yscale="log", ylim=(low, high * 100), xlabel="step",
               title="global gradient norm before clipping")
   ax_loss.legend(fontsize=8, loc="upper right")
-  ax_norm.legend(fontsize=8, loc="center right")
-  fig.suptitle(f"MLP regression with Adam; targets x{OUTLIER_SCALE:g} at steps "
-               + ", ".join(map(str, cfg["outliers"])))
+  ax_norm.legend(fontsize=8, loc="upper right")
+  fig.suptitle(f"MLP regression with Adam (lr {ADAM_LR:g}); targets "
+               f"x{OUTLIER_SCALE:g} at steps " + ", ".join(map(str, outliers)))
   fig.tight_layout()
   path.parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(path, dpi=120)
@@ -434,8 +445,8 @@ def spikes_part(quick, out):
   runs = [  # (name, transformation, what the outliers' targets are scaled by)
       ("reference (no outliers)", adamw, 1.0),
       ("no clipping", adamw, OUTLIER_SCALE),
-      ("clip_by_global_norm(1)",
-       optax.chain(oc.clip_by_global_norm(1.0), adamw), OUTLIER_SCALE),
+      (f"clip_by_global_norm({CLIP:g})",
+       optax.chain(oc.clip_by_global_norm(CLIP), adamw), OUTLIER_SCALE),
       ("zclip()", optax.chain(oc.zclip(), adamw), OUTLIER_SCALE),
       (f"skip_step(zscore={ZSCORE:g})",
        oc.skip_step(adamw, zscore=ZSCORE, warmup_steps=50), OUTLIER_SCALE),

@@ -36,14 +36,13 @@ class AdaGCState(NamedTuple):
 
 
 def _summarize(state: AdaGCState) -> dict[str, jax.Array]:
-  rate = state.clipped_count / jnp.maximum(state.count, 1)
   return {"norm": state.norm, "scale": state.scale,
           "clipped_tensors": state.clipped_tensors,
           "gamma_min": jnp.min(state.gamma, initial=jnp.inf),
           "gamma_max": jnp.max(state.gamma, initial=0.0),
           "count": state.count, "clipped_count": state.clipped_count,
           "nonfinite_count": state.nonfinite_count,
-          "clip_rate": rate.astype(jnp.float32)}
+          "clip_rate": _stats.clip_rate(state)}
 
 
 _stats.register(AdaGCState, "adagc", _summarize)
@@ -159,16 +158,11 @@ def adagc(*, lambda_abs: Any = 1.0, lambda_rel: Any = 1.05, beta: Any = 0.98,
                       b * state.gamma + (1 - b) * clipped_norms)
     gamma = jnp.where(finite, gamma, state.gamma)
     clipped = jnp.sum(factors < 1, dtype=jnp.int32)
-    increment = optax.safe_int32_increment
     new_state = AdaGCState(
         gamma=gamma.astype(jnp.float32), norm=norm.astype(jnp.float32),
         scale=jnp.min(factors, initial=1.0).astype(jnp.float32),
-        clipped_tensors=clipped, count=increment(state.count),
-        clipped_count=jnp.where(finite & (clipped > 0),
-                                increment(state.clipped_count),
-                                state.clipped_count),
-        nonfinite_count=jnp.where(finite, state.nonfinite_count,
-                                  increment(state.nonfinite_count)))
+        clipped_tensors=clipped,
+        **_stats.step_counts(state, finite=finite, clipped=clipped > 0))
     return _norm_clipping.scale_leaves(updates, factors), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -47,8 +47,7 @@ class AGCState(NamedTuple):
 
 
 def _summarize(state: AGCState) -> dict[str, jax.Array]:
-  rate = state.clipped_count / jnp.maximum(state.count, 1)
-  return {**state._asdict(), "clip_rate": rate.astype(jnp.float32)}
+  return {**state._asdict(), "clip_rate": _stats.clip_rate(state)}
 
 
 _stats.register(AGCState, "agc", _summarize)
@@ -351,17 +350,11 @@ def adaptive_grad_clip(clipping: Any, *, eps: Any = 1e-3, axis: Any = None,
       raise ValueError(optax_base.NO_PARAMS_MSG)
     clipped, (hits, units, smallest, finite) = _clip(
         fn, updates, params, clipping, eps, axes, axis_name, specs)
-    increment = optax.safe_int32_increment
     new_state = AGCState(
         clipped_fraction=(hits / jnp.maximum(units, 1)).astype(jnp.float32),
         clipped_units=hits.astype(jnp.int32),
         scale=smallest.astype(jnp.float32),
-        count=increment(state.count),
-        clipped_count=jnp.where(finite & (hits > 0),
-                                increment(state.clipped_count),
-                                state.clipped_count),
-        nonfinite_count=jnp.where(finite, state.nonfinite_count,
-                                  increment(state.nonfinite_count)))
+        **_stats.step_counts(state, finite=finite, clipped=hits > 0))
     return clipped, new_state
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -36,12 +36,11 @@ class AutoClipState(NamedTuple):
 
 
 def _summarize(state: AutoClipState) -> dict[str, jax.Array]:
-  rate = state.clipped_count / jnp.maximum(state.count, 1)
   return {"norm": state.norm, "threshold": state.threshold,
           "scale": state.scale, "count": state.count,
           "clipped_count": state.clipped_count,
           "nonfinite_count": state.nonfinite_count,
-          "clip_rate": rate.astype(jnp.float32)}
+          "clip_rate": _stats.clip_rate(state)}
 
 
 _stats.register(AutoClipState, "auto_clip", _summarize)
@@ -167,18 +166,12 @@ def auto_clip(percentile: Any = 10.0, *, history: int = 1000,
     threshold = percentile_of_prefix(norms, filled,
                                      jnp.asarray(percentile, jnp.float32))
     factor = _norm_clipping.clip_factor(norm, threshold, eps)
-    increment = optax.safe_int32_increment
     new_state = AutoClipState(
         norms=norms, position=position.astype(jnp.int32),
         size=filled.astype(jnp.int32),
         norm=norm, threshold=threshold.astype(jnp.float32),
         scale=factor.astype(jnp.float32),
-        count=increment(state.count),
-        clipped_count=jnp.where(finite & (factor < 1),
-                                increment(state.clipped_count),
-                                state.clipped_count),
-        nonfinite_count=jnp.where(finite, state.nonfinite_count,
-                                  increment(state.nonfinite_count)))
+        **_stats.step_counts(state, finite=finite, clipped=factor < 1))
     return _norm_clipping.scale_leaves(updates, factor), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -39,8 +39,7 @@ class ClipState(NamedTuple):
 
 
 def _summarize(state: ClipState) -> dict[str, jax.Array]:
-  rate = state.clipped_count / jnp.maximum(state.count, 1)
-  return {**state._asdict(), "clip_rate": rate.astype(jnp.float32)}
+  return {**state._asdict(), "clip_rate": _stats.clip_rate(state)}
 
 
 _stats.register(ClipState, "clip", _summarize)
@@ -206,16 +205,9 @@ def _norm_clipper(fn: str, max_norm, p, eps, axis_name, specs, nonfinite, *,
     elif nonfinite == "zero":
       clipped = _nonfinite.zero_if_nonfinite(clipped, finite)
       factor = jnp.where(finite, factor, 0)
-    increment = optax.safe_int32_increment
     new_state = ClipState(
-        norm=norm.astype(jnp.float32),
-        scale=factor.astype(jnp.float32),
-        count=increment(state.count),
-        clipped_count=jnp.where(finite & (factor < 1),
-                                increment(state.clipped_count),
-                                state.clipped_count),
-        nonfinite_count=jnp.where(finite, state.nonfinite_count,
-                                  increment(state.nonfinite_count)))
+        norm=norm.astype(jnp.float32), scale=factor.astype(jnp.float32),
+        **_stats.step_counts(state, finite=finite, clipped=factor < 1))
     return clipped, new_state
 
   return optax.GradientTransformation(init_fn, update_fn)

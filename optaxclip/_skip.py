@@ -223,14 +223,10 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
 
     mean, var = _moments(norm, stats.norm_mean, stats.norm_var,
                          stats.ema_count, ema_decay)
-    increment = optax.safe_int32_increment
-
-    def count_if(flag, counter):
-      return jnp.where(flag, increment(counter), counter)
-
+    count_if = _stats.count_if
     new_stats = SkipStats(
         norm=norm,
-        count=increment(stats.count),
+        count=optax.safe_int32_increment(stats.count),
         skipped_count=count_if(skip, stats.skipped_count),
         nonfinite_count=count_if(~finite, stats.nonfinite_count),
         max_norm_count=count_if(too_large, stats.max_norm_count),

@@ -12,6 +12,8 @@ the ``k``-th repeat of the same name (counting from 1) gets a suffix.
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
+import optax
 
 Summary = Callable[[Any], dict[str, jax.Array]]
 _REGISTRY: dict[type, tuple[str, Summary]] = {}
@@ -75,3 +77,25 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
       result[f"{prefix}/{field}"] = value
   return result
 
+
+
+def count_if(flag: jax.Array, counter: jax.Array) -> jax.Array:
+  """``counter + 1`` where ``flag`` (saturating at the int32 maximum)."""
+  return jnp.where(flag, optax.safe_int32_increment(counter), counter)
+
+
+def step_counts(state: Any, *, finite: jax.Array,
+                clipped: jax.Array) -> dict[str, jax.Array]:
+  """The usual counters after one more step: every clipper's state has them.
+
+  ``count`` (steps seen), ``clipped_count`` (finite steps that were scaled
+  down) and ``nonfinite_count`` (steps whose norm was NaN or Inf).
+  """
+  return {"count": optax.safe_int32_increment(state.count),
+          "clipped_count": count_if(finite & clipped, state.clipped_count),
+          "nonfinite_count": count_if(~finite, state.nonfinite_count)}
+
+
+def clip_rate(state: Any) -> jax.Array:
+  """The fraction of steps that were clipped, as float32."""
+  return (state.clipped_count / jnp.maximum(state.count, 1)).astype(jnp.float32)

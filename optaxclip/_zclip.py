@@ -50,14 +50,13 @@ class ZClipState(NamedTuple):
 
 
 def _summarize(state: ZClipState) -> dict[str, jax.Array]:
-  rate = state.clipped_count / jnp.maximum(state.count, 1)
   return {"norm": state.norm, "mean": state.mean,
           "std": jnp.sqrt(state.var), "z": state.z,
           "threshold": state.threshold, "scale": state.scale,
           "count": state.count, "clipped_count": state.clipped_count,
           "spike_count": state.spike_count,
           "nonfinite_count": state.nonfinite_count,
-          "clip_rate": rate.astype(jnp.float32)}
+          "clip_rate": _stats.clip_rate(state)}
 
 
 _stats.register(ZClipState, "zclip", _summarize)
@@ -238,7 +237,6 @@ def zclip(*, alpha: Any = 0.97, z_thresh: Any = 2.5,
     mean = jnp.where(starts, first_mean, jnp.where(tracks, mean, state.mean))
     var = jnp.where(starts, first_var, jnp.where(tracks, var, state.var))
 
-    increment = optax.safe_int32_increment
     new_state = ZClipState(
         mean=mean.astype(jnp.float32), var=var.astype(jnp.float32),
         warmup_norms=buffer.astype(jnp.float32),
@@ -246,14 +244,8 @@ def zclip(*, alpha: Any = 0.97, z_thresh: Any = 2.5,
         norm=norm, z=jnp.where(warming, 0.0, z).astype(jnp.float32),
         threshold=threshold.astype(jnp.float32),
         scale=factor.astype(jnp.float32),
-        count=increment(state.count),
-        clipped_count=jnp.where(finite & (factor < 1),
-                                increment(state.clipped_count),
-                                state.clipped_count),
-        spike_count=jnp.where(spike, increment(state.spike_count),
-                              state.spike_count),
-        nonfinite_count=jnp.where(finite, state.nonfinite_count,
-                                  increment(state.nonfinite_count)))
+        spike_count=_stats.count_if(spike, state.spike_count),
+        **_stats.step_counts(state, finite=finite, clipped=factor < 1))
     return _norm_clipping.scale_leaves(updates, factor), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -1,7 +1,17 @@
-"""The contract every optaxclip transform keeps, checked for each of them."""
+"""The contract every optaxclip transform keeps, checked for each of them.
 
+Each transform's own file tests its algorithm against its reference; this one
+checks what all of them promise: dtypes kept, state types stable (no weak
+types), ``init`` on ``ShapeDtypeStruct``, eager == ``jit``, finite at zero,
+composition with ``optax.chain``, ``MultiSteps``, ``inject_hyperparams`` and
+``apply_if_finite``, checkpointable state, and, for the fixed-threshold
+clippers, idempotence and no change below the threshold.
+"""
+
+import dataclasses
 import functools
 import pickle
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -12,36 +22,69 @@ import pytest
 import optaxclip as oc
 from conftest import FLOAT_DTYPES
 
-# name -> (factory, threshold keyword, threshold). The threshold is what
-# optax.inject_hyperparams injects in the tests below.
-TRANSFORMS = {
-    "clip_by_value": (oc.clip_by_value, "max_value", 0.5),
-    "clip_by_norm": (oc.clip_by_norm, "max_norm", 0.5),
-    "clip_by_norm_inf": (functools.partial(oc.clip_by_norm, ord="inf"), "max_norm", 0.5),
-    "clip_by_global_norm": (oc.clip_by_global_norm, "max_norm", 0.5),
-    "clip_by_global_norm_ord3": (functools.partial(oc.clip_by_global_norm, ord=3),
-                                 "max_norm", 0.5),
-    "clip_by_global_norm_zero": (
-        functools.partial(oc.clip_by_global_norm, nonfinite="zero"), "max_norm", 0.5),
-    "clip_by_global_norm_raise": (
-        functools.partial(oc.clip_by_global_norm, nonfinite="raise"), "max_norm", 0.5),
-    "clip_grad_norm": (oc.clip_grad_norm, "max_norm", 0.5),
-    "clip_grad_norm_inf": (functools.partial(oc.clip_grad_norm, norm_type="inf"),
-                           "max_norm", 0.5),
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """How the contract builds one transform."""
+  factory: Callable[..., optax.GradientTransformation]
+  kwargs: dict[str, Any]  # hyperparameters; `inject` must be among them
+  inject: str  # the numeric hyperparameter optax.inject_hyperparams injects
+  off: Any = 1e6  # a value of `inject` under which nothing is clipped
+  fixed_threshold: bool = True  # idempotent and a no-op below the threshold
+  zero_ok: bool = True  # `inject` may be 0
+
+  def make(self, **overrides) -> optax.GradientTransformation:
+    return self.factory(**{**self.kwargs, **overrides})
+
+
+CASES = {
+    "clip_by_value": Case(oc.clip_by_value, {"max_value": 0.5}, "max_value"),
+    "clip_by_norm": Case(oc.clip_by_norm, {"max_norm": 0.5}, "max_norm"),
+    "clip_by_norm_inf": Case(functools.partial(oc.clip_by_norm, ord="inf"),
+                             {"max_norm": 0.5}, "max_norm"),
+    "clip_by_global_norm": Case(oc.clip_by_global_norm, {"max_norm": 0.5},
+                                "max_norm"),
+    "clip_by_global_norm_ord3": Case(
+        functools.partial(oc.clip_by_global_norm, ord=3), {"max_norm": 0.5},
+        "max_norm"),
+    "clip_by_global_norm_zero": Case(
+        functools.partial(oc.clip_by_global_norm, nonfinite="zero"),
+        {"max_norm": 0.5}, "max_norm"),
+    "clip_by_global_norm_raise": Case(
+        functools.partial(oc.clip_by_global_norm, nonfinite="raise"),
+        {"max_norm": 0.5}, "max_norm"),
+    "clip_grad_norm": Case(oc.clip_grad_norm, {"max_norm": 0.5}, "max_norm"),
+    "clip_grad_norm_inf": Case(
+        functools.partial(oc.clip_grad_norm, norm_type="inf"),
+        {"max_norm": 0.5}, "max_norm"),
+    "adaptive_grad_clip": Case(oc.adaptive_grad_clip, {"clipping": 0.05},
+                               "clipping"),
+    # Learned thresholds: not idempotent, and the first steps already scale.
+    "auto_clip": Case(oc.auto_clip, {"percentile": 10.0, "history": 8},
+                      "percentile", off=100.0, fixed_threshold=False),
+    "zclip": Case(oc.zclip, {"warmup_steps": 3}, "max_grad_norm",
+                  fixed_threshold=False),
+    "adagc": Case(oc.adagc, {"warmup_steps": 2}, "lambda_abs",
+                  fixed_threshold=False),
+    # Wrappers pass their inner optimizer's updates on, or zeroes.
+    "skip_step": Case(functools.partial(oc.skip_step, optax.sgd(1.0)),
+                      {"max_norm": 5.0}, "max_norm", fixed_threshold=False),
+    "dynamic_loss_scale": Case(oc.dynamic_loss_scale,
+                               {"initial_scale": 16.0, "period": 4}, "period",
+                               off=None, fixed_threshold=False, zero_ok=False),
 }
-NAMES = list(TRANSFORMS)
+NAMES = list(CASES)
+RAISES_ON_NAN = {"clip_by_global_norm_raise"}
 
 
-def make(name, **overrides):
-  factory, key, value = TRANSFORMS[name]
-  return factory(**{key: value, **overrides})
-
-
-def grads_like(dtype=jnp.float32, scale=1.0):
-  rng = np.random.default_rng(0)
+def tree_like(dtype=jnp.float32, scale=1.0, seed=0):
+  rng = np.random.default_rng(seed)
   tree = {"dense": {"w": rng.normal(size=(8, 4)), "b": rng.normal(size=(4,))},
           "norm": [rng.normal(size=(3,))]}
   return jax.tree.map(lambda x: jnp.asarray(x * scale, dtype), tree)
+
+
+PARAMS = tree_like(seed=1)  # AGC needs params; the others ignore them
 
 
 def signature(tree):
@@ -50,133 +93,149 @@ def signature(tree):
                                  getattr(x, "weak_type", None)), tree)
 
 
+def run(tx, grads, state=None, steps=1, jit=True):
+  update = jax.jit(tx.update) if jit else tx.update
+  state = tx.init(grads) if state is None else state
+  params = jax.tree.map(lambda p, g: p.astype(g.dtype), PARAMS, grads)
+  for _ in range(steps):
+    out, state = update(grads, state, params)
+  return out, state
+
+
+def assert_trees_close(a, b, rtol=1e-6):
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(
+      np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=rtol), a, b)
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("name", NAMES)
 def test_dtype_and_state_types_are_stable(name, dtype):
-  tx = make(name)
-  grads = grads_like(dtype)
+  tx = CASES[name].make()
+  grads = tree_like(dtype)
   state = tx.init(grads)
-  for update in (tx.update, jax.jit(tx.update)):
-    out, new_state = update(grads, state)
+  for jit in (False, True):
+    out, new_state = run(tx, grads, state, jit=jit)
     assert signature(out) == signature(grads)
     assert signature(new_state) == signature(state)
-    assert not any(getattr(x, "weak_type", False) for x in jax.tree.leaves(new_state))
+    assert not any(getattr(x, "weak_type", False)
+                   for x in jax.tree.leaves(new_state))
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_init_accepts_shape_dtype_structs(name):
-  tx = make(name)
-  grads = grads_like()
-  specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), grads)
-  assert signature(jax.eval_shape(tx.init, specs)) == signature(tx.init(grads))
-  out_shapes = jax.eval_shape(tx.update, specs, tx.init(grads))
-  assert jax.tree.map(lambda s: (s.shape, s.dtype), out_shapes[0]) == \
+  tx = CASES[name].make()
+  grads = tree_like()
+  structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), grads)
+  assert signature(jax.eval_shape(tx.init, structs)) == signature(tx.init(grads))
+  out = jax.eval_shape(tx.update, structs, tx.init(grads), PARAMS)[0]
+  assert jax.tree.map(lambda s: (s.shape, s.dtype), out) == \
       jax.tree.map(lambda x: (x.shape, x.dtype), grads)
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_eager_and_jit_agree_and_clip(name):
-  tx = make(name)
-  grads = grads_like(scale=3.0)
-  state = tx.init(grads)
-  eager, eager_state = tx.update(grads, state)
-  jitted, jit_state = jax.jit(tx.update)(grads, state)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), eager, jitted)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
-               eager_state, jit_state)
+def test_eager_and_jit_agree_and_act_on_a_spike(name):
+  tx = CASES[name].make()
+  _, state = run(tx, tree_like(), steps=3)  # past every warm-up
+  spike = tree_like(scale=30.0)
+  eager = run(tx, spike, state, jit=False)
+  jitted = run(tx, spike, state)
+  assert_trees_close(eager, jitted)
   assert not jax.tree.all(jax.tree.map(
-      lambda a, b: bool(np.allclose(a, b)), eager, grads)), "nothing was clipped"
+      lambda a, b: bool(np.allclose(a, b)), jitted[0], spike)), "no effect"
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [n for n in NAMES if CASES[n].fixed_threshold])
 def test_idempotent(name):
-  tx = make(name)
-  grads = grads_like(scale=3.0)
-  once, state = jax.jit(tx.update)(grads, tx.init(grads))
-  twice, _ = jax.jit(tx.update)(once, state)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), once, twice)
+  tx = CASES[name].make()
+  once, state = run(tx, tree_like(scale=3.0))
+  twice, _ = run(tx, once, state)
+  assert_trees_close(once, twice, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [n for n in NAMES if CASES[n].fixed_threshold])
 def test_below_threshold_is_a_no_op(name):
-  tx = make(name)
-  grads = grads_like(scale=1e-3)
-  out, _ = jax.jit(tx.update)(grads, tx.init(grads))
-  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), out, grads)
+  grads = tree_like(scale=1e-4)
+  out, _ = run(CASES[name].make(), grads)
+  jax.tree.map(np.testing.assert_array_equal, out, grads)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_finite_at_zero(name):
-  tx = make(name)
-  zeros = jax.tree.map(jnp.zeros_like, grads_like())
-  out, state = jax.jit(tx.update)(zeros, tx.init(zeros))
+  case = CASES[name]
+  zeros = jax.tree.map(jnp.zeros_like, tree_like())
+  out, state = run(case.make(), zeros, steps=2)
   assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(out))
-  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state))
-  tx_zero = make(name, **{TRANSFORMS[name][1]: 0.0})
-  out, _ = jax.jit(tx_zero.update)(grads_like(), tx_zero.init(zeros))
-  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(out))
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state)
+             if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim == 0)
+  if case.zero_ok:  # a zero threshold clips to zero, never to NaN
+    out, _ = run(case.make(**{case.inject: 0.0}), tree_like(), steps=2)
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(out))
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_composes_with_chain_and_multisteps(name):
-  grads = grads_like(scale=3.0)
-  clipped, _ = make(name).update(grads, make(name).init(grads))
-  chained = optax.chain(make(name), optax.sgd(1.0))
-  state = chained.init(grads)
-  updates, state = jax.jit(chained.update)(grads, state, grads)
-  jax.tree.map(lambda u, c: np.testing.assert_allclose(u, -c, rtol=1e-6), updates, clipped)
-  # MultiSteps clips the accumulated (mean) gradient once per 2 micro-steps.
-  multi = optax.MultiSteps(optax.chain(make(name), optax.sgd(1.0)), every_k_schedule=2)
-  state = multi.init(grads)
-  step = jax.jit(multi.update)
-  updates, state = step(grads, state, grads)
+  case = CASES[name]
+  grads = tree_like(scale=3.0)
+  clipped, _ = run(case.make(), grads)
+  chained = optax.chain(case.make(), optax.sgd(1.0))
+  updates, _ = run(chained, grads)
+  assert_trees_close(updates, jax.tree.map(jnp.negative, clipped))
+  # MultiSteps applies the transform once per 2 micro-steps, to the mean.
+  multi = optax.MultiSteps(optax.chain(case.make(), optax.sgd(1.0)),
+                           every_k_schedule=2)
+  updates, state = run(multi, grads)
   assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates))
-  updates, state = step(grads, state, grads)
-  jax.tree.map(lambda u, c: np.testing.assert_allclose(u, -c, rtol=1e-5), updates, clipped)
+  updates, _ = run(multi, grads, state)
+  assert_trees_close(updates, jax.tree.map(jnp.negative, clipped), rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_inject_hyperparams_threshold(name):
-  factory, key, value = TRANSFORMS[name]
-  grads = grads_like(scale=3.0)
-  tx = optax.inject_hyperparams(factory)(**{key: value})
-  state = tx.init(grads)
-  step = jax.jit(tx.update)
-  injected, state = step(grads, state)
-  expected, _ = make(name).update(grads, make(name).init(grads))
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), injected, expected)
-  # Raising the injected threshold far above the gradients turns clipping off.
-  state.hyperparams[key] = jnp.asarray(1e6, state.hyperparams[key].dtype)
-  unclipped, _ = step(grads, state)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), unclipped, grads)
+def test_inject_hyperparams(name):
+  case = CASES[name]
+  grads = tree_like(scale=3.0)
+  tx = optax.inject_hyperparams(case.factory)(**case.kwargs)
+  injected, state = run(tx, grads)
+  expected, _ = run(case.make(), grads)
+  assert_trees_close(injected, expected)
+  if case.off is not None:  # the injected value is live: change it
+    state.hyperparams[case.inject] = jnp.asarray(
+        case.off, state.hyperparams[case.inject].dtype)
+    changed, _ = run(tx, grads, state)
+    unclipped, _ = run(case.make(**{case.inject: case.off}), grads)
+    assert_trees_close(changed, unclipped)
 
 
 # nonfinite="raise" stops on NaN by design (tested in test_nonfinite.py).
-@pytest.mark.parametrize("name", [n for n in NAMES if not n.endswith("_raise")])
+@pytest.mark.parametrize("name", [n for n in NAMES if n not in RAISES_ON_NAN])
 def test_apply_if_finite_skips_nan_steps(name):
-  tx = optax.apply_if_finite(optax.chain(make(name), optax.sgd(1.0)), max_consecutive_errors=3)
-  grads = grads_like(scale=3.0)
-  state = tx.init(grads)
-  step = jax.jit(tx.update)
+  tx = optax.apply_if_finite(optax.chain(CASES[name].make(), optax.sgd(1.0)),
+                             max_consecutive_errors=3)
+  grads = tree_like(scale=3.0)
   bad = jax.tree.map(lambda x: x.at[0].set(jnp.nan), grads)
-  updates, state = step(bad, state, grads)
+  updates, state = run(tx, bad)
   assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates))
   assert int(state.notfinite_count) == 1
-  updates, state = step(grads, state, grads)
+  updates, state = run(tx, grads, state)
   assert all(np.all(np.isfinite(u)) for u in jax.tree.leaves(updates))
   assert int(state.notfinite_count) == 0
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_state_is_a_checkpointable_pytree(name):
-  tx = make(name)
-  grads = grads_like(scale=3.0)
-  _, state = jax.jit(tx.update)(grads, tx.init(grads))
+  tx = CASES[name].make()
+  grads = tree_like(scale=3.0)
+  _, state = run(tx, grads, steps=2)
   leaves, treedef = jax.tree.flatten(state)
   rebuilt = jax.tree.unflatten(treedef, [np.asarray(x) for x in leaves])
-  restored = pickle.loads(pickle.dumps(rebuilt))
+  restored = jax.tree.map(jnp.asarray, pickle.loads(pickle.dumps(rebuilt)))
   assert type(restored) is type(state)
-  assert signature(jax.tree.map(jnp.asarray, restored)) == signature(state)
-  again, _ = jax.jit(tx.update)(grads, jax.tree.map(jnp.asarray, restored))
-  expected, _ = jax.jit(tx.update)(grads, state)
-  jax.tree.map(np.testing.assert_array_equal, again, expected)
+  assert signature(restored) == signature(state)
+  assert_trees_close(run(tx, grads, restored), run(tx, grads, state), rtol=0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_statistics_are_reported(name):
+  found = oc.stats(run(optax.chain(CASES[name].make(), optax.sgd(1.0)),
+                       tree_like())[1])
+  if name != "clip_by_value":  # stateless, as optax.clip
+    assert found and all(v.shape == () for v in found.values())
