@@ -93,9 +93,8 @@ def test_matches_the_reference_step_by_step(config):
 
 
 # --------------------------------------------------------------------------
-# The contract (as tests/test_contract.py for the core transforms). Not
-# applicable: idempotence (gamma moves every step) and "no-op below the
-# threshold" after the warm-up (the thresholds are learned).
+# Beyond the shared contract (tests/test_contract.py): this transform's
+# own edge cases, statistics and argument errors.
 
 def make(**overrides):
   return adagc(**{"warmup_steps": 2, "lambda_abs": 0.5, **overrides})

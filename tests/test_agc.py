@@ -203,7 +203,8 @@ def test_shard_map_with_specs_matches_the_whole_tree():
 
 
 # --------------------------------------------------------------------------
-# The contract (as tests/test_contract.py for the core transforms).
+# Beyond the shared contract (tests/test_contract.py): this transform's
+# own edge cases, statistics and argument errors.
 
 CONTRACT_SHAPES = {"w": (8, 4), "b": (4,)}
 

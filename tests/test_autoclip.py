@@ -138,10 +138,8 @@ _percentile = jax.jit(percentile_of_prefix)
 
 
 # --------------------------------------------------------------------------
-# The contract (as tests/test_contract.py for the core transforms). Not
-# applicable: idempotence and "no-op below the threshold" (the threshold is
-# learned from the history, and the first step is always scaled by
-# norm / (norm + eps), as in the reference).
+# Beyond the shared contract (tests/test_contract.py): this transform's
+# own edge cases, statistics and argument errors.
 
 def make(**overrides):
   return auto_clip(**{"percentile": 10.0, "history": 8, **overrides})

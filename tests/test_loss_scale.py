@@ -227,8 +227,8 @@ def test_float16_training_learns_only_with_loss_scaling():
 
 
 # --------------------------------------------------------------------------
-# The shared contract (as tests/test_contract.py). Idempotence and clipping
-# below a threshold do not apply: unscaling divides by the scale each time.
+# Beyond the shared contract (tests/test_contract.py): this transform's
+# own edge cases, statistics and argument errors.
 
 def tree_like(dtype=jnp.float32, scale=1.0):
   rng = np.random.default_rng(0)

@@ -213,9 +213,8 @@ def test_shard_map_devices_agree():
 
 
 # --------------------------------------------------------------------------
-# The shared contract (as tests/test_contract.py). Idempotence and "no-op
-# below the threshold" do not apply: skip_step wraps an optimizer, whose
-# updates it passes on or zeroes.
+# Beyond the shared contract (tests/test_contract.py): this transform's
+# own edge cases, statistics and argument errors.
 
 def tree_like(dtype=jnp.float32, scale=1.0):
   rng = np.random.default_rng(0)

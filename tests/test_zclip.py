@@ -114,10 +114,8 @@ def test_matches_the_reference_step_by_step(config):
 
 
 # --------------------------------------------------------------------------
-# The contract (as tests/test_contract.py for the core transforms). Not
-# applicable: idempotence and "no-op below the threshold" (the threshold
-# depends on the history; in warm-up the clip is torch's, which scales by
-# max_grad_norm / (norm + 1e-6) even a little below max_grad_norm).
+# Beyond the shared contract (tests/test_contract.py): this transform's
+# own edge cases, statistics and argument errors.
 
 def make(**overrides):
   return zclip(**{"warmup_steps": 3, "max_grad_norm": 0.5, **overrides})
