@@ -17,25 +17,32 @@ import json
 import math
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # benchmark the checkout, installed or not
   sys.path.insert(0, str(ROOT))
 
+import _report  # noqa: E402
+import _timing  # noqa: E402
+import _trees  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _report import Check, Section, Table, verdict  # noqa: E402
+from _timing import (  # noqa: E402
+  Timer,
+  compile_seconds,
+  interleaved_medians,
+  interleaved_samples,
+  median_difference,
+  median_time,
+)
 
 import optaxclip as oc  # noqa: E402
-import _report  # noqa: E402
-import _timing  # noqa: E402
-import _trees  # noqa: E402
-from _report import Check, Section, Table, verdict  # noqa: E402
-from _timing import (Timer, compile_seconds, interleaved_medians,  # noqa: E402
-                     interleaved_samples, median_difference, median_time)
 
 F = oc.functional
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"

@@ -16,19 +16,17 @@ are added with one all-reduce per set of mesh axes.
 
 import functools
 import numbers
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
 import optax
+from jax import lax
 from optax._src import base as optax_base
 
-from optaxclip import _norms
-from optaxclip import _stats
-from optaxclip import _tree
-from optaxclip import _validation
+from optaxclip import _norms, _stats, _tree, _validation
 
 PyTree = Any
 

@@ -17,11 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxclip import _nonfinite
-from optaxclip import _norms
-from optaxclip import _stats
-from optaxclip import _tree
-from optaxclip import _validation
+from optaxclip import _nonfinite, _norms, _stats, _tree, _validation
 
 PyTree = Any
 

@@ -24,11 +24,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
+from jax import lax
 
-from optaxclip import _tree
-from optaxclip import _validation
+from optaxclip import _tree, _validation
 
 PyTree = Any
 

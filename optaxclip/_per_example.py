@@ -21,10 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from optaxclip import _norm_clipping
-from optaxclip import _norms
-from optaxclip import _tree
-from optaxclip import _validation
+from optaxclip import _norm_clipping, _norms, _tree, _validation
 
 PyTree = Any
 
@@ -131,8 +128,10 @@ def per_example_clip_by_global_norm(grads: PyTree, max_norm: Any, *,
     >>> from optaxclip.functional import per_example_clip_by_global_norm
     >>> grads = [jnp.array([[0.0, 0.0, 0.0], [0.0, 3.0, 4.0], [4.0, 0.0, 3.0]])]
     >>> summed, num_clipped, norms = per_example_clip_by_global_norm(grads, 1.25)
-    >>> summed, num_clipped, norms
-    ([Array([1. , 0.75, 1.75], dtype=float32)], Array(2, dtype=int32), Array([0., 5., 5.], dtype=float32))
+    >>> summed
+    [Array([1. , 0.75, 1.75], dtype=float32)]
+    >>> num_clipped, norms
+    (Array(2, dtype=int32), Array([0., 5., 5.], dtype=float32))
 
   References:
     Abadi et al., `Deep Learning with Differential Privacy
@@ -187,8 +186,10 @@ def per_example_clip_by_layer_norm(grads: PyTree, max_norm: Any, *,
     >>> from optaxclip.functional import per_example_clip_by_layer_norm
     >>> grads = {"a": jnp.array([[3.0, 4.0], [0.3, 0.4]]), "b": jnp.array([[1.0], [0.0]])}
     >>> summed, num_clipped, norms = per_example_clip_by_layer_norm(grads, 2.0**0.5)
-    >>> summed["a"], num_clipped, norms["a"]
-    (Array([0.90000004, 1.2 ], dtype=float32), {'a': Array(1, dtype=int32), 'b': Array(0, dtype=int32)}, Array([5. , 0.5], dtype=float32))
+    >>> summed["a"], norms["a"]
+    (Array([0.90000004, 1.2 ], dtype=float32), Array([5. , 0.5], dtype=float32))
+    >>> num_clipped
+    {'a': Array(1, dtype=int32), 'b': Array(0, dtype=int32)}
 
   References:
     McMahan et al., `Learning Differentially Private Recurrent Language

@@ -9,7 +9,8 @@ lead to the state (``named_chain`` and ``partition`` labels) come first, and
 the ``k``-th repeat of the same name (counting from 1) gets a suffix.
 """
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -55,8 +56,8 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
     >>> tx = optax.chain(oc.clip_by_global_norm(1.0), optax.adam(1e-3))
     >>> params = {"w": jnp.ones(4)}
     >>> _, state = tx.update(params, tx.init(params), params)
-    >>> sorted(oc.stats(state))
-    ['clip/clip_rate', 'clip/clipped_count', 'clip/count', 'clip/nonfinite_count', 'clip/norm', 'clip/scale']
+    >>> print(*sorted(oc.stats(state)))
+    clip/clip_rate clip/clipped_count clip/count clip/nonfinite_count clip/norm clip/scale
     >>> oc.stats(state)["clip/norm"]
     Array(2., dtype=float32)
   """

@@ -6,7 +6,8 @@ integer or boolean arrays (step counters, masks, token ids) pass through every
 transform untouched and are left out of every norm.
 """
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

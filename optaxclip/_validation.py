@@ -9,7 +9,8 @@ unknown at trace time, and reading it eagerly would cost a device sync per step.
 
 import math
 import numbers
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np

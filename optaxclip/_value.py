@@ -6,8 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxclip import _tree
-from optaxclip import _validation
+from optaxclip import _tree, _validation
 
 PyTree = Any
 

@@ -10,7 +10,9 @@ from optaxclip._norm_clipping import clip_by_norm_fn as clip_by_norm
 from optaxclip._norms import all_finite as all_finite
 from optaxclip._norms import global_norm as global_norm
 from optaxclip._per_example import PerExampleClip as PerExampleClip
-from optaxclip._per_example import per_example_clip_by_global_norm as per_example_clip_by_global_norm
+from optaxclip._per_example import (
+    per_example_clip_by_global_norm as per_example_clip_by_global_norm,
+)
 from optaxclip._per_example import per_example_clip_by_layer_norm as per_example_clip_by_layer_norm
 from optaxclip._value import clip_by_value_fn as clip_by_value
 

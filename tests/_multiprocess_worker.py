@@ -20,7 +20,8 @@ def main(process_id: int, num_processes: int, port: int) -> None:
                              initialization_timeout=60)
   import numpy as np
   from jax import shard_map
-  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
 
   import optaxclip as oc
 

@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_autoclip import STEPS, Largest, f64_leaves
+from test_contract import tree_like
 
 import optaxclip as oc
 from optaxclip._adagc import adagc
-from test_autoclip import STEPS, Largest, f64_leaves
-from test_contract import tree_like
 
 SHAPES = {"b": (4,), "e": (6,), "w": (8, 4)}  # leaf order: b, e, w
 BASES = {"b": 0.1, "e": 3.0, "w": 1.0}  # typical norm of each tensor
@@ -155,7 +155,8 @@ def test_stats_report_norm_thresholds_and_counts():
 
 def test_shard_map_tensor_norms_are_global():
   from jax import shard_map
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
   mesh = jax.make_mesh((2, 4), ("data", "model"))
   rng = np.random.default_rng(8)
   grads = {"w": rng.normal(size=(8, 12)).astype(np.float32),

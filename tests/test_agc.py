@@ -5,18 +5,18 @@ restatement of ``optax.transforms._clipping.unitwise_norm``/``unitwise_clip``.
 """
 
 
+import hypothesis.extra.numpy as hnp
 import jax
 import jax.numpy as jnp
-import hypothesis.extra.numpy as hnp
 import numpy as np
 import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_autoclip import STEPS, Largest, f64_leaves, norm_sequence
 
 import optaxclip as oc
 from optaxclip._agc import adaptive_grad_clip, adaptive_grad_clip_fn
-from test_autoclip import STEPS, Largest, f64_leaves, norm_sequence
 
 # Every kind of leaf optax distinguishes: scalar, vector, squeezable, linear
 # IO, multi-head, conv HWIO, conv 3-D DHWIO.
@@ -176,7 +176,8 @@ def test_needs_params():
 
 def test_shard_map_with_specs_matches_the_whole_tree():
   from jax import shard_map
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
   mesh = jax.make_mesh((2, 4), ("data", "model"))
   shapes = {"linear": (8, 12), "conv": (3, 3, 4, 8), "vector": (16,),
             "replicated": (4, 6), "heads": (4, 2, 8)}

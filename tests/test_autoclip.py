@@ -14,10 +14,10 @@ import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_contract import tree_like
 
 import optaxclip as oc
 from optaxclip._autoclip import auto_clip, percentile_of_prefix
-from test_contract import tree_like
 
 STEPS = 200
 SPIKES = {30: 10.0, 77: 100.0, 150: 50.0, 151: 20.0}  # step -> norm multiplier
@@ -208,8 +208,8 @@ def test_stats_report_threshold_norm_and_counts():
 
 def test_shard_map_norm_is_global():
   from jax import shard_map
-  from jax.sharding import PartitionSpec as P
   from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
   mesh = jax.make_mesh((8,), ("data",))
   grads = {"w": np.random.default_rng(4).normal(size=(16, 4)).astype(np.float32),
            "b": np.ones(4, np.float32)}

@@ -11,16 +11,17 @@ clippers, idempotence and no change below the threshold.
 import dataclasses
 import functools
 import pickle
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import FLOAT_DTYPES
 
 import optaxclip as oc
-from conftest import FLOAT_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,8 @@ import numpy as np
 import optax
 import pytest
 from jax import shard_map
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import optaxclip as oc
 
@@ -242,7 +243,7 @@ def gspmd_transforms():
           "tx_per_leaf": oc.clip_by_norm(MAX_LEAF_NORM, ord=3)}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiled_gspmd(layout, axis_type, dtype_name="float32"):
   """(host tree, sharded tree, compiled step) or the exception compiling it."""
   mesh = layout_mesh(layout, axis_type)
@@ -747,7 +748,7 @@ CLIPPERS_40 = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hlo_counts_40_leaves(name, with_specs):
   """{op: (main path, conditional branches)} for a clipper on a 40-leaf tree
   split in six ways over a 2x4 mesh, with or without specs."""

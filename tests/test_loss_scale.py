@@ -10,7 +10,8 @@ import numpy as np
 import optax
 import pytest
 from jax import shard_map
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import optaxclip as oc
 from optaxclip._loss_scale import LossScaleState, dynamic_loss_scale, loss_scale

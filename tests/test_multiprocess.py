@@ -74,5 +74,5 @@ def test_multiprocess_clip_by_global_norm():
       for i, (rc, out, err) in enumerate(results))
   assert all(rc == 0 for rc, _, _ in results), report
   for _, out, err in results:
-    assert [l for l in out.splitlines() if l.startswith("ok ")] == CHECKS, report
+    assert [line for line in out.splitlines() if line.startswith("ok ")] == CHECKS, report
     assert "involuntary full rematerialization" not in err.lower(), report

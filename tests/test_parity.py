@@ -165,7 +165,7 @@ def _golden_params(data: dict, key: str):
     return params
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted(fn):
     return jax.jit(fn, static_argnums=0)
 

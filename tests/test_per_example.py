@@ -13,12 +13,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax import shard_map
-from jax.sharding import Mesh, PartitionSpec as P
-
 from conftest import FLOAT_DTYPES
-from optaxclip._per_example import (PerExampleClip, per_example_clip_by_global_norm,
-                                    per_example_clip_by_layer_norm)
+from jax import shard_map
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from optaxclip._per_example import (
+  PerExampleClip,
+  per_example_clip_by_global_norm,
+  per_example_clip_by_layer_norm,
+)
 
 BATCH = 16
 

@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_autoclip import Largest, f64_leaves, gradient_steps, norm_sequence
+from test_contract import tree_like
 
 import optaxclip as oc
 from optaxclip._zclip import zclip
-from test_autoclip import Largest, f64_leaves, gradient_steps, norm_sequence
-from test_contract import tree_like
 
 # A spike inside the warm-up too: it inflates the initial mean and variance.
 SPIKES = {10: 30.0, 40: 10.0, 77: 100.0, 150: 50.0, 151: 20.0, 152: 10.0}
