@@ -20,6 +20,7 @@ demo: install-demo
 	$(PY) examples/demo.py
 
 test: install-test
+	$(PY) -m ruff check optaxclip tests benchmarks examples
 	$(PY) -m pytest -q
 
 bench: $(PY)
