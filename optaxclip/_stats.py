@@ -75,7 +75,8 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
     if repeat:
       prefix = f"{prefix}_{repeat}"
     for field, value in summary(node).items():
-      result[f"{prefix}/{field}"] = value
+      # jnp.asarray unwraps containers such as flax.nnx's OptArray.
+      result[f"{prefix}/{field}"] = jnp.asarray(value)
   return result
 
 

@@ -5,17 +5,54 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def test_demo_quick_writes_table_and_plot(tmp_path):
+def tables(stdout):
+  """Each table in ``stdout``: a dict from run name to its row's cells."""
+  lines = stdout.splitlines()
+  found = []
+  for i, line in enumerate(lines):
+    if line.startswith("run ") and lines[i + 1].startswith("---"):
+      rows = {}
+      for row in lines[i + 2:]:
+        if not row.strip() or row.startswith("("):
+          break
+        cells = [c.strip() for c in row.split("  ") if c.strip()]
+        rows[cells[0]] = cells[1:]
+      found.append(rows)
+  return found
+
+
+def test_demo_quick_writes_tables_and_plots(tmp_path):
   png = tmp_path / "demo.png"
   result = subprocess.run(
       [sys.executable, str(ROOT / "examples" / "demo.py"), "--quick", "--out", str(png)],
       capture_output=True, text=True, timeout=600, check=True)
-  lines = result.stdout.splitlines()
-  header = next(i for i, line in enumerate(lines) if line.startswith("run "))
-  rows = {line.split("  ")[0]: line for line in lines[header + 2:header + 7]}
-  assert "optaxclip.clip_by_global_norm(1)" in rows
-  assert "no clipping" in rows
-  assert png.stat().st_size > 10_000
-  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  rnn, spikes = tables(result.stdout)
+  assert len(rnn) == 5
+  assert "optaxclip.clip_by_global_norm(1)" in rnn
+  assert "no clipping" in rnn
+  assert list(spikes) == ["reference (no outliers)", "no clipping",
+                          "clip_by_global_norm(1)", "zclip()",
+                          "skip_step(zscore=6)"]
+  # final loss, worst after outliers, clip/skip rate, steps skipped
+  assert all(len(cells) == 4 for cells in spikes.values())
+  assert spikes["reference (no outliers)"][-2:] == ["-", "-"]
+  assert spikes["zclip()"][-2].endswith("%")
+  assert spikes["zclip()"][-1] == "-"
+  # The quick configuration has three outlier batches; skip_step drops them.
+  assert spikes["skip_step(zscore=6)"][-1] == "3"
+  for path in (png, tmp_path / "spikes.png"):
+    assert path.stat().st_size > 10_000
+    assert path.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_log_stats_example_writes_csv_and_plot(tmp_path):
+  subprocess.run([sys.executable, str(ROOT / "examples" / "log_stats.py"), "--out", str(tmp_path)],
+                 capture_output=True, text=True, timeout=600, check=True)
+  rows = (tmp_path / "stats.csv").read_text().splitlines()
+  header = rows[0].split(",")
+  assert "clip/norm" in header and "skip/skipped_count" in header, header
+  assert len(rows) > 10
+  assert (tmp_path / "stats.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,210 @@
+"""Runs the documentation: every code block under docs/ and the site build.
+
+Conventions the pages follow (see docs/*.md):
+
+- Every fenced ``python`` block is executed, in page order, in one fresh
+  namespace per page, so blocks on a page build on each other.
+- A fenced ``text`` block that directly follows a python block (only blank
+  lines in between) is that block's expected stdout. Numbers are compared
+  to a relative tolerance of 1e-6 (one float32 rounding), the rest exactly
+  up to whitespace.
+- A python block preceded by ``<!-- skip: MODULE -->`` is code for another
+  library (torch, tensorflow, mindspore). It is not part of the optaxclip
+  run; when MODULE is importable it is run on its own (one namespace per
+  page and module) and its output checked the same way: the live check
+  that the numbers the pages quote are what that library prints.
+
+Content tabs (``=== "PyTorch"``) indent their blocks; the indentation is
+removed before running.
+
+``python tests/test_docs.py docs/PAGE.md`` runs one page's optaxclip blocks
+(used to run docs/distributed.md on 8 host devices).
+"""
+
+import contextlib
+import dataclasses
+import importlib.util
+import io
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+PAGES = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md"))
+
+_FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<ticks>`{3,})(?P<info>[^`]*)$")
+_SKIP = re.compile(r"^\s*<!--\s*skip:\s*(?P<module>[\w.]+)\s*-->\s*$")
+_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?inf|nan")
+
+
+@dataclasses.dataclass
+class Block:
+  line: int  # 1-based line of the opening fence
+  lang: str
+  code: str
+  skip: str | None = None  # the reference library, for <!-- skip: ... -->
+  expected: str | None = None  # the text block that follows, if any
+
+
+def parse(path: pathlib.Path) -> list[Block]:
+  """The fenced code blocks of a markdown page, expected outputs attached."""
+  lines = path.read_text().splitlines()
+  blocks: list[Block] = []
+  i = 0
+  last_python: Block | None = None  # a python block only blank lines follow
+  pending_skip: str | None = None
+  while i < len(lines):
+    line = lines[i]
+    skip = _SKIP.match(line)
+    if skip:
+      pending_skip = skip["module"]
+      i += 1
+      continue
+    fence = _FENCE.match(line)
+    if not fence:
+      if line.strip():
+        last_python = None
+        pending_skip = None
+      i += 1
+      continue
+    indent, ticks = fence["indent"], fence["ticks"]
+    info = fence["info"].strip()
+    lang = info.split()[0] if info else ""
+    body = []
+    j = i + 1
+    while j < len(lines) and lines[j].strip() != ticks:
+      body.append(lines[j])
+      j += 1
+    if j == len(lines):
+      raise ValueError(f"{path}:{i + 1}: unclosed code fence")
+    code = textwrap.dedent("\n".join(body)) + "\n"
+    del indent
+    if lang == "text" and last_python is not None:
+      last_python.expected = code
+      last_python = None
+    elif lang == "python":
+      block = Block(i + 1, lang, code, skip=pending_skip)
+      blocks.append(block)
+      last_python = block
+    else:
+      last_python = None
+    pending_skip = None
+    i = j + 1
+  return blocks
+
+
+def _numbers_and_words(text: str) -> tuple[list[float], list[str]]:
+  numbers = [float(m) for m in _NUMBER.findall(text)]
+  words = _NUMBER.sub("#", text).split()
+  return numbers, words
+
+
+def check_output(actual: str, expected: str, where: str) -> None:
+  got_n, got_w = _numbers_and_words(actual)
+  want_n, want_w = _numbers_and_words(expected)
+  message = f"{where}: printed\n{actual}\nbut the page says\n{expected}"
+  assert got_w == want_w and len(got_n) == len(want_n), message
+  for got, want in zip(got_n, want_n):
+    if got != want:  # also lets inf == inf through
+      assert abs(got - want) <= 1e-6 * max(abs(want), 1e-3), message
+
+
+def run_blocks(page: str, blocks: list[Block]) -> None:
+  """Executes ``blocks`` in one fresh namespace, checking expected output."""
+  namespace: dict = {"__name__": f"docs.{page}"}
+  for block in blocks:
+    where = f"docs/{page}:{block.line}"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      exec(compile(block.code, where, "exec"), namespace)  # noqa: S102
+    if block.expected is not None:
+      check_output(out.getvalue(), block.expected, where)
+
+
+def _optaxclip_blocks(page: str) -> list[Block]:
+  return [b for b in parse(DOCS / page) if b.skip is None]
+
+
+def test_pages_found():
+  assert {"index.md", "which.md", "logging.md", "distributed.md",
+          "reference.md", "migration/pytorch.md", "migration/tensorflow.md",
+          "migration/mindspore.md"} <= set(PAGES)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_page_code_blocks(page):
+  """Every optaxclip code block on the page runs and prints what it says."""
+  run_blocks(page, _optaxclip_blocks(page))
+
+
+REFERENCE_BLOCKS = sorted({(page, b.skip) for page in PAGES
+                           for b in parse(DOCS / page) if b.skip})
+
+
+@pytest.mark.parametrize("page,module", REFERENCE_BLOCKS)
+def test_reference_library_blocks(page, module):
+  """Live check: the other library prints the numbers the page quotes."""
+  if importlib.util.find_spec(module) is None:
+    pytest.skip(f"{module} is not installed: its blocks on {page} are shown, "
+                "not run (the optaxclip side is checked by the golden tests)")
+  blocks = [b for b in parse(DOCS / page) if b.skip == module]
+  assert all(b.expected is not None for b in blocks), (
+      f"every {module} block on {page} should show its output")
+  run_blocks(page, blocks)
+
+
+def test_reference_blocks_show_output_and_are_marked():
+  """Reference-library code is never run as optaxclip code by mistake."""
+  for page in PAGES:
+    for block in parse(DOCS / page):
+      imports = re.findall(r"^\s*(?:import|from)\s+(\w+)", block.code, re.M)
+      if block.skip is None:
+        assert not {"torch", "tensorflow", "mindspore", "keras"} & set(imports), (
+            f"docs/{page}:{block.line} imports a reference library but has "
+            "no <!-- skip: ... --> marker")
+      else:
+        assert block.expected is not None, f"docs/{page}:{block.line}"
+
+
+def test_distributed_page_on_8_devices():
+  """docs/distributed.md runs on 8 (host) devices as well as on one."""
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                      " --xla_force_host_platform_device_count=8").strip()
+  env["JAX_PLATFORMS"] = "cpu"
+  result = subprocess.run(
+      [sys.executable, str(pathlib.Path(__file__)), "distributed.md", "8"],
+      env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+  assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_mkdocs_build_strict(tmp_path):
+  """The site builds with ``mkdocs build --strict``: no warnings at all."""
+  if importlib.util.find_spec("mkdocs") is None:
+    pytest.skip("mkdocs is not installed (pip install the docs extra, "
+                "see DOCS_DEPS.txt)")
+  for module in ("material", "mkdocstrings", "mkdocstrings_handlers.python"):
+    if importlib.util.find_spec(module.split(".")[0]) is None:
+      pytest.skip(f"{module} is not installed (see DOCS_DEPS.txt)")
+  env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+  result = subprocess.run(
+      [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
+       str(tmp_path / "site")],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert (tmp_path / "site" / "reference" / "index.html").exists()
+
+
+if __name__ == "__main__":
+  page = sys.argv[1]
+  if len(sys.argv) > 2:
+    import jax
+    assert jax.device_count() == int(sys.argv[2]), jax.devices()
+  run_blocks(page, _optaxclip_blocks(page))
+  print(f"docs/{page}: {len(_optaxclip_blocks(page))} blocks ran")

@@ -1,0 +1,415 @@
+"""optaxclip inside the JAX ecosystem: Flax (NNX and Linen TrainState),
+Equinox, Orbax checkpoints, and optax's wrappers (MultiSteps,
+inject_hyperparams, masked, partition, named_chain).
+
+Each test trains a few steps of a tiny model and checks the clipping and
+``optaxclip.stats`` against values computed independently.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optaxclip as oc
+
+CLIP_KEYS = {"norm", "scale", "count", "clipped_count", "nonfinite_count",
+             "clip_rate"}
+ZCLIP_KEYS = {"norm", "mean", "std", "z", "threshold", "scale", "count",
+              "clipped_count", "spike_count", "nonfinite_count", "clip_rate"}
+SKIP_KEYS = {"norm", "count", "skipped_count", "nonfinite_count",
+             "max_norm_count", "zscore_count", "ema_count", "norm_mean",
+             "norm_var", "norm_std", "skip_rate"}
+
+
+def keys(prefix, fields):
+  return {f"{prefix}/{f}" for f in fields}
+
+
+def regression_data(n=32, d_in=4, d_out=2, seed=0):
+  kx, kw = jax.random.split(jax.random.key(seed))
+  x = jax.random.normal(kx, (n, d_in))
+  # Large targets: the gradients start well above the clip threshold.
+  y = 2.0 * x @ jax.random.normal(kw, (d_in, d_out))
+  return x, y
+
+
+def assert_norm_of(stats, prefix, grads):
+  np.testing.assert_allclose(stats[f"{prefix}/norm"],
+                             oc.functional.global_norm(grads), rtol=1e-6)
+
+
+# --------------------------------------------------------------------- Flax NNX
+
+def test_flax_nnx_optimizer():
+  nnx = pytest.importorskip("flax.nnx")
+
+  class MLP(nnx.Module):
+    def __init__(self, rngs):
+      self.l1 = nnx.Linear(4, 16, rngs=rngs)
+      self.l2 = nnx.Linear(16, 2, rngs=rngs)
+
+    def __call__(self, x):
+      return self.l2(jax.nn.relu(self.l1(x)))
+
+  model = MLP(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(
+      model, optax.chain(oc.clip_by_global_norm(1.0), optax.adamw(1e-2)),
+      wrt=nnx.Param)
+  x, y = regression_data()
+
+  @nnx.jit
+  def train_step(model, optimizer, x, y):
+    def loss_fn(model):
+      return jnp.mean((model(x) - y) ** 2)
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss, grads, oc.stats(nnx.as_pure(optimizer.opt_state))
+
+  steps = 15
+  losses = []
+  for _ in range(steps):
+    loss, grads, jit_stats = train_step(model, optimizer, x, y)
+    losses.append(float(loss))
+  assert losses[-1] < 0.9 * losses[0]
+  stats = oc.stats(nnx.as_pure(optimizer.opt_state))
+  assert set(stats) == keys("clip", CLIP_KEYS)
+  assert int(stats["clip/count"]) == steps
+  assert int(stats["clip/clipped_count"]) == steps  # gradients start large
+  assert_norm_of(stats, "clip", grads)
+  assert float(stats["clip/norm"]) > 1.0
+  for k in stats:
+    np.testing.assert_array_equal(jit_stats[k], stats[k])
+
+
+def test_flax_nnx_raw_opt_state_stats_are_arrays():
+  """``oc.stats`` on nnx's opt_state as it is (without ``nnx.as_pure``).
+
+  flax 0.12 keeps every optax leaf in an ``nnx.OptArray`` Variable; stats
+  unwraps them, so the documented ``dict[str, jax.Array]`` holds either way.
+  """
+  nnx = pytest.importorskip("flax.nnx")
+  model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(
+      model, optax.chain(oc.clip_by_global_norm(1.0), optax.adamw(1e-2)),
+      wrt=nnx.Param)
+  raw = oc.stats(optimizer.opt_state)
+  pure = oc.stats(nnx.as_pure(optimizer.opt_state))
+  assert set(raw) == set(pure) == keys("clip", CLIP_KEYS)
+  for k in pure:
+    np.testing.assert_array_equal(np.asarray(raw[k]), pure[k])
+    assert isinstance(pure[k], jax.Array)
+  assert all(isinstance(v, jax.Array) for v in raw.values()), raw
+
+
+# ------------------------------------------------------------ Flax TrainState
+
+def test_flax_train_state():
+  pytest.importorskip("flax")
+  from flax.training import train_state
+
+  x, y = regression_data()
+  params = {"w": jnp.zeros((4, 2)), "b": jnp.zeros(2)}
+
+  def apply_fn(p, x):
+    return x @ p["w"] + p["b"]
+
+  state = train_state.TrainState.create(
+      apply_fn=apply_fn, params=params,
+      tx=optax.chain(oc.clip_grad_norm(1.0), optax.sgd(0.1)))
+
+  @jax.jit
+  def train_step(state):
+    def loss_fn(p):
+      return jnp.mean((state.apply_fn(p, x) - y) ** 2)
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss, grads
+
+  steps = 10
+  losses = []
+  for _ in range(steps):
+    prev_params = state.params
+    state, loss, grads = train_step(state)
+    losses.append(float(loss))
+  assert losses[-1] < losses[0]
+  assert int(state.step) == steps
+  stats = oc.stats(state.opt_state)
+  assert set(stats) == keys("clip", CLIP_KEYS)
+  assert int(stats["clip/count"]) == steps
+  assert_norm_of(stats, "clip", grads)
+  # The last step moved the parameters by 0.1 * the clipped gradients:
+  # norm 1 (up to PyTorch's 1e-6 in the divisor).
+  delta = jax.tree.map(lambda a, b: a - b, state.params, prev_params)
+  np.testing.assert_allclose(oc.functional.global_norm(delta), 0.1, rtol=1e-5)
+
+
+# --------------------------------------------------------------------- Equinox
+
+def test_equinox():
+  eqx = pytest.importorskip("equinox")
+  model = eqx.nn.MLP(4, 2, 16, 1, key=jax.random.key(0))
+  tx = optax.chain(oc.clip_by_global_norm(1.0), optax.adam(1e-2))
+  opt_state = tx.init(eqx.filter(model, eqx.is_array))
+  x, y = regression_data()
+
+  @eqx.filter_jit
+  def train_step(model, opt_state, x, y):
+    @eqx.filter_value_and_grad
+    def loss_fn(model):
+      return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+    loss, grads = loss_fn(model)
+    updates, opt_state = tx.update(grads, opt_state,
+                                   eqx.filter(model, eqx.is_array))
+    return eqx.apply_updates(model, updates), opt_state, loss, grads
+
+  steps = 15
+  losses = []
+  for _ in range(steps):
+    model, opt_state, loss, grads = train_step(model, opt_state, x, y)
+    losses.append(float(loss))
+  assert losses[-1] < 0.9 * losses[0]
+  stats = oc.stats(opt_state)
+  assert set(stats) == keys("clip", CLIP_KEYS)
+  assert int(stats["clip/count"]) == steps
+  assert int(stats["clip/clipped_count"]) == steps
+  assert_norm_of(stats, "clip", grads)
+
+
+# ------------------------------------------------------------------ MultiSteps
+
+def test_multisteps_clips_the_accumulated_gradient():
+  lr, k = 0.5, 4
+  tx = optax.MultiSteps(optax.chain(oc.clip_by_global_norm(1.0),
+                                    optax.sgd(lr)), every_k_schedule=k)
+  params = {"w": jnp.zeros(3), "b": jnp.zeros(2)}
+  g = {"w": jnp.array([3.0, 4.0, 0.0]), "b": jnp.array([0.0, 12.0])}  # norm 13
+  d = {"w": jnp.array([0.1, -0.2, 0.3]), "b": jnp.array([0.25, 0.0])}
+  neg = jax.tree.map(jnp.negative, g)
+  # Micro-batches g, -g, g, -g + 4d: each norm > 1, the mean is d (norm < 1).
+  last = jax.tree.map(lambda a, b: a + 4 * b, neg, d)
+  micro = [g, neg, g, last]
+  for m in micro:
+    assert oc.functional.global_norm(m) > 1.0
+  mean = jax.tree.map(lambda *xs: sum(xs) / k, *micro)
+  assert oc.functional.global_norm(mean) < 1.0
+
+  update = jax.jit(tx.update)
+  state = tx.init(params)
+  for cycle in range(2):
+    for i, m in enumerate(micro):
+      updates, state = update(m, state, params)
+      stats = oc.stats(state)
+      assert set(stats) == keys("clip", CLIP_KEYS)
+      if i < k - 1:
+        for u in jax.tree.leaves(updates):
+          np.testing.assert_array_equal(u, 0.0)
+        assert int(stats["clip/count"]) == cycle
+      else:
+        # The unclipped SGD step on the mean gradient.
+        for u, a in zip(jax.tree.leaves(updates), jax.tree.leaves(mean)):
+          np.testing.assert_allclose(u, -lr * a, rtol=1e-5, atol=1e-6)
+        assert int(stats["clip/count"]) == cycle + 1
+        assert int(stats["clip/clipped_count"]) == 0
+        assert float(stats["clip/scale"]) == 1.0
+        np.testing.assert_allclose(stats["clip/norm"],
+                                   oc.functional.global_norm(mean), rtol=1e-5)
+
+
+# ------------------------------------------------------------ inject_hyperparams
+
+def test_inject_hyperparams_schedule_for_max_norm():
+  schedule = optax.linear_schedule(10.0, 0.1, 10)
+  tx = optax.inject_hyperparams(oc.clip_by_global_norm)(max_norm=schedule)
+  params = {"w": jnp.zeros((2, 3)), "b": jnp.zeros(3)}
+  grads = {"w": jnp.full((2, 3), 2.0), "b": jnp.full(3, 1.0)}
+  norm = float(oc.functional.global_norm(grads))  # sqrt(27) ~ 5.2
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  clipped_steps = 0
+  for step in range(14):
+    updates, state = update(grads, state, params)
+    threshold = float(schedule(step))
+    expected = min(norm, threshold)
+    clipped_steps += norm > threshold
+    np.testing.assert_allclose(oc.functional.global_norm(updates), expected,
+                               rtol=1e-5)
+    stats = oc.stats(state)
+    assert set(stats) == keys("clip", CLIP_KEYS)
+    np.testing.assert_allclose(stats["clip/norm"], norm, rtol=1e-6)
+    np.testing.assert_allclose(stats["clip/scale"], min(1.0, threshold / norm),
+                               rtol=1e-5)
+    assert int(stats["clip/count"]) == step + 1
+    assert int(stats["clip/clipped_count"]) == clipped_steps
+    np.testing.assert_allclose(state.hyperparams["max_norm"], threshold,
+                               rtol=1e-5)
+  assert 0 < clipped_steps < 14  # the schedule crossed the norm
+
+
+# ---------------------------------------------------------- masked / partition
+
+def _groups():
+  params = {"a": {"w": jnp.zeros(3)}, "b": {"w": jnp.zeros(2)}}
+  grads = {"a": {"w": jnp.array([3.0, 0.0, 4.0])},
+           "b": {"w": jnp.array([6.0, 8.0])}}
+  return params, grads
+
+
+def test_masked_clips_only_the_selected_group():
+  params, grads = _groups()
+  tx = optax.masked(oc.clip_by_global_norm(0.1), {"a": True, "b": False})
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  np.testing.assert_allclose(updates["a"]["w"], [0.06, 0.0, 0.08], rtol=1e-6)
+  np.testing.assert_array_equal(updates["b"]["w"], grads["b"]["w"])
+  stats = oc.stats(state)
+  assert set(stats) == keys("clip", CLIP_KEYS)
+  np.testing.assert_allclose(stats["clip/norm"], 5.0, rtol=1e-6)  # "a" only
+  assert int(stats["clip/clipped_count"]) == 1
+
+
+def test_partition_clips_only_the_selected_group():
+  params, grads = _groups()
+  tx = optax.partition({"clip": oc.clip_by_global_norm(0.1),
+                        "free": optax.identity()},
+                       {"a": "free", "b": "clip"})
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  np.testing.assert_array_equal(updates["a"]["w"], grads["a"]["w"])
+  np.testing.assert_allclose(updates["b"]["w"], [0.06, 0.08], rtol=1e-6)
+  stats = oc.stats(state)
+  assert set(stats) == keys("clip/clip", CLIP_KEYS)
+  np.testing.assert_allclose(stats["clip/clip/norm"], 10.0, rtol=1e-6)
+  assert int(stats["clip/clip/clipped_count"]) == 1
+
+
+# ----------------------------------------------------------------------- Orbax
+
+def _rich_tx():
+  return oc.skip_step(
+      optax.chain(oc.zclip(warmup_steps=3), optax.adamw(1e-2)),
+      zscore=6.0, warmup_steps=2)
+
+
+def test_orbax_checkpoint_round_trip_is_bit_identical(tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  tx = _rich_tx()
+  x, y = regression_data()
+  params = {"w": jnp.zeros((4, 2)), "b": jnp.zeros(2)}
+
+  @jax.jit
+  def train_step(params, opt_state, i):
+    noise = 1.0 + 0.5 * jnp.sin(i)  # a varying gradient scale
+    def loss_fn(p):
+      return noise * jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+    grads = jax.grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  def run(params, opt_state, start, stop):
+    for i in range(start, stop):
+      params, opt_state = train_step(params, opt_state, jnp.float32(i))
+    return params, opt_state
+
+  n, m = 5, 4
+  ref = run(params, tx.init(params), 0, n + m)
+
+  mid = run(params, tx.init(params), 0, n)
+  path = tmp_path / "ckpt"
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(path, {"params": mid[0], "opt_state": mid[1]})
+    ckptr.wait_until_finished()
+  # A fresh state (as after a restart) gives the structure to restore into.
+  target = {"params": params, "opt_state": tx.init(params)}
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+  with ocp.StandardCheckpointer() as ckptr:
+    restored = ckptr.restore(path, abstract)
+
+  assert (jax.tree_util.tree_structure(restored["opt_state"])
+          == jax.tree_util.tree_structure(mid[1]))
+  assert type(restored["opt_state"]) is oc.SkipState
+  assert type(restored["opt_state"].stats) is oc.SkipStats
+  assert type(restored["opt_state"].inner_state[0]) is oc.ZClipState
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(
+      {"params": mid[0], "opt_state": mid[1]})):
+    assert a.dtype == b.dtype
+    np.testing.assert_array_equal(a, b)
+
+  out = run(restored["params"], restored["opt_state"], n, n + m)
+  assert (jax.tree_util.tree_structure(out)
+          == jax.tree_util.tree_structure(ref))
+  for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+    np.testing.assert_array_equal(a, b)
+  stats = oc.stats(out[1])
+  assert int(stats["zclip/count"]) == int(stats["skip/count"]) - int(
+      stats["skip/skipped_count"])
+  assert int(stats["skip/count"]) == n + m
+  assert int(out[1].inner_state[0].collected) >= 3  # past the warm-up
+
+
+# ------------------------------------------------------------- stats key sets
+
+def _inject_clip():
+  return optax.inject_hyperparams(oc.clip_by_global_norm)(max_norm=1.0)
+
+
+STATS_CASES = {
+    "chain": (
+        lambda: optax.chain(oc.clip_by_global_norm(1.0),
+                            oc.clip_by_global_norm(2.0), optax.adam(1e-3)),
+        keys("clip", CLIP_KEYS) | keys("clip_1", CLIP_KEYS)),
+    "named_chain": (
+        lambda: optax.named_chain(("clipping", oc.clip_by_global_norm(1.0)),
+                                  ("spikes", oc.zclip(warmup_steps=2)),
+                                  ("opt", optax.adam(1e-3))),
+        keys("clipping/clip", CLIP_KEYS) | keys("spikes/zclip", ZCLIP_KEYS)),
+    "masked": (
+        lambda: optax.masked(optax.chain(oc.clip_by_global_norm(1.0),
+                                         optax.sgd(0.1)),
+                             {"a": True, "b": False}),
+        keys("clip", CLIP_KEYS)),
+    "partition": (
+        lambda: optax.partition(
+            {"x": optax.chain(oc.clip_by_global_norm(1.0), optax.sgd(0.1)),
+             "y": oc.zclip(warmup_steps=2)},
+            {"a": "x", "b": "y"}),
+        keys("x/clip", CLIP_KEYS) | keys("y/zclip", ZCLIP_KEYS)),
+    "multisteps": (
+        lambda: optax.MultiSteps(
+            optax.chain(oc.clip_by_global_norm(1.0), optax.sgd(0.1)), 2),
+        keys("clip", CLIP_KEYS)),
+    "inject_hyperparams": (
+        lambda: optax.chain(_inject_clip(), optax.sgd(0.1)),
+        keys("clip", CLIP_KEYS)),
+    "skip_step": (
+        lambda: oc.skip_step(optax.chain(oc.clip_by_global_norm(1.0),
+                                         optax.adam(1e-3)), max_norm=10.0),
+        keys("skip", SKIP_KEYS) | keys("clip", CLIP_KEYS)),
+    "skip_step_named_chain": (
+        lambda: oc.skip_step(optax.named_chain(
+            ("z", oc.zclip(warmup_steps=2)), ("c", oc.clip_grad_norm(1.0)),
+            ("opt", optax.adamw(1e-3)))),
+        keys("skip", SKIP_KEYS) | keys("z/zclip", ZCLIP_KEYS)
+        | keys("c/clip", CLIP_KEYS)),
+    "multisteps_of_skip_step": (
+        lambda: optax.MultiSteps(oc.skip_step(optax.chain(
+            oc.clip_by_global_norm(1.0), oc.clip_by_value(0.5),
+            optax.sgd(0.1)), zscore=6.0), 2),
+        keys("skip", SKIP_KEYS) | keys("clip", CLIP_KEYS)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STATS_CASES))
+def test_stats_key_sets(case):
+  make, expected = STATS_CASES[case]
+  tx = make()
+  params = {"a": jnp.ones(3), "b": jnp.ones(2)}
+  grads = {"a": jnp.array([3.0, 0.0, 4.0]), "b": jnp.array([1.0, -1.0])}
+  state = tx.init(params)
+  assert set(oc.stats(state)) == expected  # at init
+  update = jax.jit(tx.update)
+  for _ in range(3):
+    _, state = update(grads, state, params)
+    stats = oc.stats(state)
+    assert set(stats) == expected
+    assert set(jax.jit(oc.stats)(state)) == expected
+    for v in stats.values():
+      assert isinstance(v, jax.Array) and v.shape == ()
