@@ -4,14 +4,14 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench install-test install-demo clean
+.PHONY: demo test docs bench install-test install-demo clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
 install-test: $(PY)
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test,docs]"
 
 install-demo: $(PY)
 	$(PY) -m pip install --quiet -e ".[demo]"
@@ -22,6 +22,9 @@ demo: install-demo
 test: install-test
 	$(PY) -m ruff check optaxclip tests benchmarks examples
 	$(PY) -m pytest -q
+
+docs: install-test
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 bench: $(PY)
 	$(PY) -m pip install --quiet -e ".[bench]"

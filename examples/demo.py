@@ -360,8 +360,8 @@ def train_spikes(name, tx, cfg, scale):
   params = init_mlp(jax.random.PRNGKey(SEED),
                     (INPUTS, cfg["hidden"], cfg["hidden"], 1))
   # A zero read-out starts at output 0: the gradient norm then stays below
-  # CLIP from the first step, and the clipped runs follow the reference up
-  # to the first outlier.
+  # CLIP from the first step, and the fixed clip leaves the run as the
+  # reference's up to the first outlier.
   params[-1] = jax.tree.map(jnp.zeros_like, params[-1])
   train_chunk = make_spike_chunk(tx, cfg["batch"], cfg["eval_batch"],
                                  cfg["outliers"])
@@ -411,10 +411,11 @@ def plot_spikes(runs, logs, cfg, path):
   steps = np.arange(cfg["steps"])
   outliers = list(cfg["outliers"])
   for i, ((name, _, _), log) in enumerate(zip(runs, logs)):
-    # The reference is a wide grey band, under the runs that follow it.
+    # The reference is a wide grey band, under the runs that follow it; the
+    # last run is dashed, to show the one under it.
     color, width = ("0.7", 4) if i == 0 else (f"C{i - 1}", 1)
     ax_loss.plot(steps, log["loss"], color=color, lw=width, label=name,
-                 zorder=i)
+                 ls="--" if i == len(runs) - 1 else "-", zorder=i)
     ax_norm.plot(steps, log["norm"], color=color, lw=width * 0.6, alpha=0.7,
                  zorder=i)
     # The norm that each clipper handed on to Adam at the outliers.
