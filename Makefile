@@ -21,6 +21,7 @@ demo: install-demo
 
 test: install-test
 	$(PY) -m ruff check optaxclip tests benchmarks examples
+	$(VENV)/bin/pyright
 	$(PY) -m pytest -q
 
 docs: install-test

@@ -186,7 +186,7 @@ def dynamic_loss_scale(initial_scale: Any = 2.0**15, *, period: Any = 2000,
     factor_ = jnp.asarray(factor, jnp.float32)
     grown = scale * factor_
     grow = state.good_steps + 1 >= period
-    increment = optax.safe_int32_increment
+    increment = _stats.increment
     new_scale = jnp.where(
         finite,
         jnp.where(grow & jnp.isfinite(grown), grown, scale),

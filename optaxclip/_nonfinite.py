@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.core import Tracer
 
 from optaxclip import _tree
 
@@ -53,7 +54,7 @@ def raise_if_nonfinite(fn: str, tree: PyTree, norm: jax.Array) -> None:
   def leaf_ok():
     return jnp.stack([jnp.all(jnp.isfinite(x)) for _, x in with_paths])
 
-  if not isinstance(norm, jax.core.Tracer):  # eager: a plain Python raise
+  if not isinstance(norm, Tracer):  # eager: a plain Python raise
     if not jnp.isfinite(norm):
       _raise_if_bad(fn, paths, norm, leaf_ok())
     return

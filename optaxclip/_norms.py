@@ -61,6 +61,7 @@ class Reduction(NamedTuple):
     return lax.psum(1, self.axis_names) if self.axis_names else 1
 
   def _first_copy_mask(self, dtype) -> jax.Array:
+    assert self.replicated_axes is not None
     masks = []
     for axes in self.replicated_axes:
       is_first = jnp.bool_(True)
@@ -197,7 +198,7 @@ def _layout(x: jax.Array) -> Any:
   """
   sharding = getattr(jax.typeof(x), "sharding", None)
   mesh = getattr(sharding, "mesh", None)
-  if mesh is None or mesh.empty:
+  if sharding is None or mesh is None or mesh.empty:
     return ()
   if any(t == jax.sharding.AxisType.Auto for t in mesh.axis_types):
     return None
@@ -317,9 +318,10 @@ def _power_of_two_halves(exponent: jax.Array,
   integer = jnp.int64 if info.bits == 64 else jnp.int32
   exponent = exponent.astype(integer)
   half = exponent // 2
-  return tuple(
+  low, high = (
       lax.bitcast_convert_type((part + info.maxexp - 1) << info.nmant, dtype)
       for part in (half, exponent - half))
+  return low, high
 
 
 def times_power_of_two(x: jax.Array, exponent: jax.Array) -> jax.Array:

@@ -54,7 +54,9 @@ def _batch_size(fn: str, leaves: list[jax.Array]) -> int:
         f"`{fn}(grads=...)` needs a leading batch axis of the same size on "
         f"every floating leaf (example i's gradient is row i), got shapes "
         f"{shapes}")
-  return sizes.pop()
+  size = sizes.pop()
+  assert size is not None
+  return size
 
 
 def _factors(norms: jax.Array, max_norm: Any) -> jax.Array:

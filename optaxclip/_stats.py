@@ -81,9 +81,14 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
 
 
 
+def increment(counter: jax.Array) -> jax.Array:
+  """``counter + 1``, saturating at the int32 maximum."""
+  return jnp.asarray(optax.safe_int32_increment(counter))
+
+
 def count_if(flag: jax.Array, counter: jax.Array) -> jax.Array:
   """``counter + 1`` where ``flag`` (saturating at the int32 maximum)."""
-  return jnp.where(flag, optax.safe_int32_increment(counter), counter)
+  return jnp.where(flag, increment(counter), counter)
 
 
 def step_counts(state: Any, *, finite: jax.Array,
@@ -93,7 +98,7 @@ def step_counts(state: Any, *, finite: jax.Array,
   ``count`` (steps seen), ``clipped_count`` (finite steps that were scaled
   down) and ``nonfinite_count`` (steps whose norm was NaN or Inf).
   """
-  return {"count": optax.safe_int32_increment(state.count),
+  return {"count": increment(state.count),
           "clipped_count": count_if(finite & clipped, state.clipped_count),
           "nonfinite_count": count_if(~finite, state.nonfinite_count)}
 

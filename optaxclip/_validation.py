@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.core import Tracer
 
 
 def _where(fn: str, arg: str) -> str:
@@ -156,7 +157,7 @@ def check_buffer_size(fn: str, arg: str, value: Any) -> int | None:
   """
   if _is_jax_value(value):
     check_scalar_array(fn, arg, value)
-    if isinstance(value, jax.core.Tracer):
+    if isinstance(value, Tracer):
       return None
     value = value.item()
   return int(check_integer(fn, arg, value, 1))

@@ -59,7 +59,7 @@ _stats.register(ZClipState, "zclip", _summarize)
 
 
 def _safe_divide(numerator: jax.Array, denominator: jax.Array,
-                 at_zero: jax.Array) -> jax.Array:
+                 at_zero: jax.typing.ArrayLike) -> jax.Array:
   """``numerator / denominator``, or ``at_zero`` where the denominator is 0."""
   nonzero = denominator != 0
   return jnp.where(nonzero, numerator / jnp.where(nonzero, denominator, 1),
