@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 from test_autoclip import STEPS, Largest, f64_leaves
-from test_contract import tree_like
+from test_contract import tree_like, warm
 
 import optaxclip as oc
 from optaxclip._adagc import adagc
@@ -98,14 +98,6 @@ def test_matches_the_reference_step_by_step(config):
 
 def make(**overrides):
   return adagc(**{"warmup_steps": 2, "lambda_abs": 0.5, **overrides})
-
-
-def warm(tx, grads, steps=3):
-  state = tx.init(grads)
-  for k in range(steps):
-    _, state = jax.jit(tx.update)(jax.tree.map(lambda x: x * (1 + 0.1 * k), grads),
-                                  state)
-  return state
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"lambda_abs": 0.0, "lambda_rel": 0.0}])

@@ -103,6 +103,15 @@ def run(tx, grads, state=None, steps=1, jit=True):
   return out, state
 
 
+def warm(tx, grads, steps=3, growth=0.1):
+  """A state that has seen ``steps`` updates, the k-th scaled by 1 + growth*k."""
+  state = tx.init(grads)
+  for k in range(steps):
+    scaled = jax.tree.map(lambda x: x * (1 + growth * k), grads)
+    _, state = jax.jit(tx.update)(scaled, state)
+  return state
+
+
 def assert_trees_close(a, b, rtol=1e-6):
   jax.tree.map(lambda x, y: np.testing.assert_allclose(
       np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=rtol), a, b)

@@ -73,7 +73,7 @@ def parse(path: pathlib.Path) -> list[Block]:
         pending_skip = None
       i += 1
       continue
-    indent, ticks = fence["indent"], fence["ticks"]
+    ticks = fence["ticks"]
     info = fence["info"].strip()
     lang = info.split()[0] if info else ""
     body = []
@@ -84,7 +84,6 @@ def parse(path: pathlib.Path) -> list[Block]:
     if j == len(lines):
       raise ValueError(f"{path}:{i + 1}: unclosed code fence")
     code = textwrap.dedent("\n".join(body)) + "\n"
-    del indent
     if lang == "text" and last_python is not None:
       last_python.expected = code
       last_python = None

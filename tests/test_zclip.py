@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 from test_autoclip import Largest, f64_leaves, gradient_steps, norm_sequence
-from test_contract import tree_like
+from test_contract import tree_like, warm
 
 import optaxclip as oc
 from optaxclip._zclip import zclip
@@ -119,14 +119,6 @@ def test_matches_the_reference_step_by_step(config):
 
 def make(**overrides):
   return zclip(**{"warmup_steps": 3, "max_grad_norm": 0.5, **overrides})
-
-
-def warm(tx, grads, steps=3):
-  state = tx.init(grads)
-  for k in range(steps):
-    _, state = jax.jit(tx.update)(jax.tree.map(lambda x: x * (1 + 0.1 * k), grads),
-                                  state)
-  return state
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"max_grad_norm": 0.0},
