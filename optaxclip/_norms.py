@@ -186,6 +186,12 @@ def safe_root(s: jax.Array, p: float) -> jax.Array:
 # leaf keeps compile time flat in the number of leaves. Larger leaves reduce
 # on their own, so run time never pays for copying them.
 GROUP_LIMIT = 1 << 15
+# At most this many leaves per group. XLA's cost of compiling one
+# concatenation grows faster than its operand count beyond a few hundred,
+# and separate groups compile in parallel: with 2000 leaves, groups of 256
+# compile in half the time one group of all of them takes (benchmarks/,
+# compile target).
+GROUP_SIZE = 256
 
 
 def _layout(x: jax.Array) -> Any:
@@ -213,8 +219,8 @@ def _groups(leaves: list[jax.Array], *,
   plain pass and the rare rescue pass both read these groups, so the rescue
   adds no copy of the stacking to the program. With ``merge`` (a global norm
   that needs no per-leaf partials), small unsharded leaves of one dtype are
-  concatenated whatever their shapes: one reduction for all of them, as
-  ``(None, flat vector)``.
+  concatenated whatever their shapes, as ``(None, flat vector)``: one
+  reduction per ``GROUP_SIZE`` leaves.
   """
   by_key: dict[Any, list[int]] = {}
   for i, x in enumerate(leaves):
@@ -227,14 +233,24 @@ def _groups(leaves: list[jax.Array], *,
       key = (x.shape, x.dtype, layout)
     by_key.setdefault(key, []).append(i)
   groups = []
-  for key, rows in by_key.items():
-    if len(rows) == 1:
-      groups.append((rows[0], leaves[rows[0]]))
-    elif key[0] == "flat":
-      groups.append((None, jnp.concatenate([leaves[i].ravel() for i in rows])))
-    else:
-      groups.append((np.asarray(rows), jnp.stack([leaves[i] for i in rows])))
+  for key, all_rows in by_key.items():
+    for start in range(0, len(all_rows), GROUP_SIZE):
+      rows = all_rows[start:start + GROUP_SIZE]
+      groups.append(_group([leaves[i] for i in rows], rows,
+                           flat=isinstance(key, tuple) and key[0] == "flat"))
   return groups
+
+
+def _group(members: list[jax.Array], rows: list[int], *,
+           flat: bool) -> tuple[Any, jax.Array]:
+  if len(members) == 1:
+    return rows[0], members[0]
+  if flat:
+    # lax, not jnp, and no reshape of vectors: this runs once per leaf, and
+    # tracing time is part of the compile time of trees with many leaves.
+    return None, lax.concatenate(
+        [x if x.ndim == 1 else lax.reshape(x, (x.size,)) for x in members], 0)
+  return np.asarray(rows), jnp.stack(members)
 
 
 def _take(vector: jax.Array, indices) -> jax.Array:
@@ -290,18 +306,31 @@ def _elementwise_power(x: jax.Array, p: Any, acc: jnp.dtype) -> jax.Array:
   return _pow(magnitude(x, acc), p)
 
 
-def _reducer(p: Any):
-  if _is_order(p, math.inf):
-    return functools.partial(jnp.max, initial=0)
-  return jnp.sum
+def _reduce_leaves(groups, elementwise, reduction: Reduction, *,
+                   maximum: bool, total: bool) -> jax.Array:
+  """Sums (or maxima) of ``elementwise(x, rows)`` per leaf over all devices
+  of ``reduction``, as a vector in leaf order; with ``total``, of all leaves
+  together, as a scalar.
+  """
+  reduce = functools.partial(jnp.max, initial=0) if maximum else jnp.sum
+  across = reduction.max if maximum else reduction.sum
+  if total and reduction.replicated_axes is None:
+    # Each group reduces to a scalar and these combine by scalar ops: no
+    # small vector is reduced (XLA:CPU compiles each small reduction as a
+    # costly kernel of its own), and the devices share one all-reduce.
+    combine = jnp.maximum if maximum else jnp.add
+    return across(functools.reduce(
+        combine, [reduce(elementwise(values, rows)) for rows, values in groups]))
+  partials = across(_per_leaf(groups, elementwise, reduce))
+  if not total:
+    return partials
+  return jnp.max(partials) if maximum else jnp.sum(partials)
 
 
-def _power_sums(groups, p, acc, reduction: Reduction) -> jax.Array:
-  partials = _per_leaf(groups, lambda x, rows: _elementwise_power(x, p, acc),
-                       _reducer(p))
-  if _is_order(p, math.inf):
-    return reduction.max(partials)
-  return reduction.sum(partials)
+def _power_sums(groups, p, acc, reduction: Reduction, *,
+                total: bool = False) -> jax.Array:
+  return _reduce_leaves(groups, lambda x, rows: _elementwise_power(x, p, acc),
+                        reduction, maximum=_is_order(p, math.inf), total=total)
 
 
 def _power_of_two_halves(exponent: jax.Array,
@@ -330,16 +359,14 @@ def times_power_of_two(x: jax.Array, exponent: jax.Array) -> jax.Array:
   return x * low * high
 
 
-def _rescaled_sums(groups, p, acc, reduction, *, shared: bool):
+def _rescaled_sums(groups, p, acc, reduction, *, total: bool):
   """Power sums of ``|x| / 2**k``, with ``2**k`` just above the largest |x|.
 
-  ``k`` is per leaf, or one scalar for all leaves (``shared``). Returns
-  ``(k, usable, sums)``: where the largest |x| is 0 or not finite (zeros, Inf,
-  NaN) ``usable`` is False and ``k`` is 0.
+  ``k`` is per leaf, or one scalar for all leaves (``total``: then the sum is
+  one scalar too). Returns ``(k, usable, sums)``: where the largest |x| is 0
+  or not finite (zeros, Inf, NaN) ``usable`` is False and ``k`` is 0.
   """
-  maxima = _power_sums(groups, math.inf, acc, reduction)
-  if shared:
-    maxima = jnp.max(maxima)
+  maxima = _power_sums(groups, math.inf, acc, reduction, total=total)
   usable = jnp.isfinite(maxima) & (maxima > 0)
   _, exponents = jnp.frexp(jnp.where(usable, maxima, 1))
   exponents = jnp.where(usable, exponents, 0)
@@ -349,7 +376,8 @@ def _rescaled_sums(groups, p, acc, reduction, *, shared: bool):
     factors = _factor_for(low, rows, x.ndim), _factor_for(high, rows, x.ndim)
     return _pow(magnitude(x, acc) * factors[0] * factors[1], p)
 
-  return exponents, usable, reduction.sum(_per_leaf(groups, scaled_power, jnp.sum))
+  return exponents, usable, _reduce_leaves(groups, scaled_power, reduction,
+                                           maximum=False, total=total)
 
 
 def _precision_floor(leaves, acc, reduction: Reduction) -> jax.Array:
@@ -363,35 +391,51 @@ def _precision_floor(leaves, acc, reduction: Reduction) -> jax.Array:
   return jnp.asarray(float(info.tiny) / float(info.eps), acc) * count
 
 
-def _square_rescue_exponents(sums, floor) -> jax.Array:
+def _square_rescue_scale(sums, floor) -> jax.Array:
   """For ``p = 2``: the power of two each sum of squares is redone with.
 
   Overflowed (or NaN) sums are redone with ``2**-(maxexp/2 + 1)`` (2**-65 in
   float32), which keeps the square of the largest float finite; sums below
   ``floor`` with ``2**((1 - minexp)/2)`` (2**63), which lifts the square of
-  the smallest normal float into the normal range. Others keep 2**0.
+  the smallest normal float into the normal range. Others keep 1. These
+  powers of two and their inverses are normal floats, so scaling by them and
+  dividing by them again are exact.
   """
   info = jnp.finfo(sums.dtype)
-  overflow = -(info.maxexp // 2 + 1)
-  underflow = (1 - info.minexp) // 2
-  return jnp.where(~(sums < jnp.inf), overflow,
-                   jnp.where(sums < floor, underflow, 0)).astype(jnp.int32)
+  down, up = 2.0 ** -(info.maxexp // 2 + 1), 2.0 ** ((1 - info.minexp) // 2)
+  return jnp.where(~(sums < jnp.inf), down,
+                   jnp.where(sums < floor, up, 1)).astype(sums.dtype)
 
 
-def _rescued_squares(groups, acc, reduction, exponents) -> jax.Array:
-  """Sums of ``(x * 2**e)**2``, ``e`` one scalar or one per leaf."""
-  low, high = _power_of_two_halves(exponents, acc)
-  factors = low * high  # both exponents are within the normal range
-
+def _rescued_squares(groups, acc, reduction, scales, *,
+                     total: bool) -> jax.Array:
+  """Sums of ``(x * scale)**2``, ``scales`` one scalar or one per leaf."""
   def scaled_square(x, rows):
-    return _elementwise_power(x * _factor_for(factors, rows, x.ndim), 2, acc)
+    return _elementwise_power(x * _factor_for(scales, rows, x.ndim), 2, acc)
 
-  return reduction.sum(_per_leaf(groups, scaled_square, jnp.sum))
+  return _reduce_leaves(groups, scaled_square, reduction, maximum=False,
+                        total=total)
+
+
+def _rescued_square_root(sums, floor, resum) -> jax.Array:
+  """``sqrt(sums)``, with unsafe sums redone by ``resum(scales)`` first.
+
+  The branches only pick the sums and their scale; the root and the division
+  are shared after them, which keeps the compiled program small.
+  """
+  def rescued():
+    scales = _square_rescue_scale(sums, floor)
+    return resum(scales), scales
+
+  squares, scales = lax.cond(_unsafe(sums, floor), rescued,
+                             lambda: (sums, jnp.ones_like(sums)))
+  return safe_root(squares, 2) / scales
 
 
 def _unsafe(sums, floor) -> jax.Array:
-  # Not `sums < inf` covers Inf and NaN; the rescue then propagates them.
-  return jnp.any(~(sums < jnp.inf) | (sums < floor))
+  # Inf and NaN fail both comparisons; the rescue then propagates them.
+  safe = (sums >= floor) & (sums < jnp.inf)
+  return ~safe if safe.ndim == 0 else ~jnp.all(safe)
 
 
 def _needs_no_rescue(p) -> bool:
@@ -424,6 +468,8 @@ def _by_order(norm_fn):
   def call(leaves: list[jax.Array], p: Any,
            reduction: Reduction = LOCAL) -> jax.Array:
     if not isinstance(p, jax.Array):
+      if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return norm_fn(leaves, p, reduction)
       return compiled(leaves, p, reduction)
     return _switch_on_order(
         lambda q: (norm_fn if isinstance(q, jax.Array) else compiled)(
@@ -443,14 +489,13 @@ def leaf_norms(leaves, p, reduction):
   if _needs_no_rescue(p):
     return sums if _is_order(p, math.inf) else safe_root(sums, p)
   floor = _precision_floor(leaves, acc, reduction)
+  if _is_order(p, 2):
+    return _rescued_square_root(sums, floor, lambda scales: _rescued_squares(
+        groups, acc, reduction, scales, total=False))
 
   def rescued():
-    if _is_order(p, 2):
-      exponents = _square_rescue_exponents(sums, floor)
-      squares = _rescued_squares(groups, acc, reduction, exponents)
-      return times_power_of_two(safe_root(squares, 2), -exponents)
     exponents, usable, scaled = _rescaled_sums(groups, p, acc, reduction,
-                                               shared=False)
+                                               total=False)
     return jnp.where(usable, times_power_of_two(safe_root(scaled, p), exponents),
                      safe_root(sums, p))
 
@@ -464,22 +509,18 @@ def norm_of_leaves(leaves, p, reduction):
   if not leaves:
     return jnp.zeros([], acc)
   groups = _groups(leaves, merge=reduction.replicated_axes is None)
-  sums = _power_sums(groups, p, acc, reduction)
-  if _is_order(p, math.inf):
-    return jnp.max(sums)
-  total = jnp.sum(sums)
+  total = _power_sums(groups, p, acc, reduction, total=True)
   if _needs_no_rescue(p):
     return total
   floor = _precision_floor(leaves, acc, reduction)
+  if _is_order(p, 2):
+    return _rescued_square_root(total, floor, lambda scale: _rescued_squares(
+        groups, acc, reduction, scale, total=True))
 
   def rescued():
-    if _is_order(p, 2):
-      exponent = _square_rescue_exponents(total, floor)
-      squares = _rescued_squares(groups, acc, reduction, exponent)
-      return times_power_of_two(safe_root(jnp.sum(squares), 2), -exponent)
     exponent, usable, scaled = _rescaled_sums(groups, p, acc, reduction,
-                                              shared=True)
-    norm = times_power_of_two(safe_root(jnp.sum(scaled), p), exponent)
+                                              total=True)
+    norm = times_power_of_two(safe_root(scaled, p), exponent)
     return jnp.where(usable, norm, safe_root(total, p))
 
   return lax.cond(_unsafe(total, floor), rescued, lambda: safe_root(total, p))
