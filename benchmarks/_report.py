@@ -23,11 +23,16 @@ METHODOLOGY = """\
   call, or for calls under {min_sample_ms:.0f} ms the mean of enough
   back-to-back calls to last that long; each call is waited for with
   `jax.block_until_ready` (PyTorch on CPU is synchronous). Inputs are built
-  once and reused. Target 2's difference of step times is the median of the
-  per-round differences, over {train_step_repeats} rounds.
+  once and reused. Ratios of two candidates are the median of the per-round
+  ratios, and target 2's difference of step times the median of the
+  per-round differences (over {train_step_repeats} rounds): samples of one
+  round share the machine's state, so drift between rounds cancels.
 - **Compile time**: wall time of `jax.jit(tx.update).lower(updates, state).compile()`
-  for a new transform on new tree objects, after `jax.clear_caches()`; the
-  transforms alternate and each value is the median of {compile_repeats}.
+  for a new transform on new tree objects, after `jax.clear_caches()`. The
+  transforms alternate, round after round; times are medians over
+  {compile_repeats} rounds (optax's clip, a slow reference: at most
+  {compile_reference_repeats}), and the ratio to `optax.scale` is the median of
+  the per-round ratios, which cancels drift in the machine's speed.
 - **Ratios** compare numbers measured in this same run; a target holds when
   the ratio is at or below it. Targets near 1 (`<= 1.05`, `<= 1.0`) sit within
   the noise of a shared machine: a small miss there is noise until it repeats

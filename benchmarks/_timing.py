@@ -8,7 +8,8 @@ median sample per candidate. A sample is one call, waited for with
 mean of just enough back-to-back calls (each waited for) to last that long,
 so that one preemption by the OS scheduler does not decide a sample.
 Interleaving spreads slow drifts of a shared machine (other processes, clock
-changes) over all candidates instead of penalising whichever ran last.
+changes) over all candidates instead of penalising whichever ran last, and
+ratios are taken within each round, then their median.
 """
 
 import gc
@@ -77,6 +78,12 @@ def interleaved_medians(candidates: dict[str, Callable[[], Any]], repeats: int,
   """Median seconds per call for each candidate, sampled in turn each round."""
   samples = interleaved_samples(candidates, repeats, warmup)
   return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def median_ratio(a: list[float], b: list[float]) -> float:
+  """Median of the per-round ratios `a[i] / b[i]`: steadier than a ratio of
+  medians, for the reason `median_difference` gives."""
+  return statistics.median(x / y for x, y in zip(a, b))
 
 
 def median_difference(a: list[float], b: list[float]) -> float:
