@@ -468,8 +468,6 @@ def _by_order(norm_fn):
   def call(leaves: list[jax.Array], p: Any,
            reduction: Reduction = LOCAL) -> jax.Array:
     if not isinstance(p, jax.Array):
-      if any(isinstance(x, jax.core.Tracer) for x in leaves):
-        return norm_fn(leaves, p, reduction)
       return compiled(leaves, p, reduction)
     return _switch_on_order(
         lambda q: (norm_fn if isinstance(q, jax.Array) else compiled)(
