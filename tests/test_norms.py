@@ -201,3 +201,55 @@ def test_nan_and_inf_propagate_through_the_norm():
   assert np.isinf(F.global_norm([jnp.array([1.0, jnp.inf])]))
   assert np.isnan(F.global_norm([jnp.array([jnp.inf, jnp.nan])]))
   assert np.isinf(F.global_norm([jnp.array([1.0, -jnp.inf])], ord=1))
+
+
+def many_leaf_tree(count, seed=0):
+  """`count` small leaves of mixed shapes and dtypes: several groups each."""
+  rng = np.random.default_rng(seed)
+  shapes = [(7,), (3, 5), (64,), (2, 2, 2), (1,)]
+  dtypes = [jnp.float32, jnp.bfloat16, jnp.float16]
+  return [jnp.asarray(rng.normal(size=shapes[i % 5]), dtypes[i % 7 % 3])
+          for i in range(count)]
+
+
+@pytest.mark.parametrize("ord", [1, 2, 3, math.inf])
+def test_trees_of_several_groups_match_float64(ord):
+  # More leaves than one group holds, of every dtype, plus one leaf that
+  # needs the rescue (for p > 1) among them.
+  count = 2 * oc._norms.GROUP_SIZE + 37
+  tree = many_leaf_tree(count)
+  np.testing.assert_allclose(F.global_norm(tree, ord), numpy_norm(tree, ord),
+                             rtol=2e-6)
+  clipped = jax.jit(lambda t: F.clip_by_norm(t, 0.5, ord=ord))(tree)
+  for before, after in zip(tree, clipped):
+    norm = numpy_norm([before], ord)
+    expected = np.asarray(before, np.float64) * min(1.0, 0.5 / norm)
+    np.testing.assert_allclose(np.asarray(after, np.float64), expected,
+                               rtol=1e-2 if before.dtype != jnp.float32 else 1e-5)
+  tree[count // 2] = jnp.full((3,), 1e25, jnp.float32)
+  np.testing.assert_allclose(F.global_norm(tree, ord), numpy_norm(tree, ord),
+                             rtol=2e-6)
+
+
+def count_ops(fn, tree, op):
+  """How many `op` instructions the lowered (unoptimised) program holds."""
+  text = jax.jit(fn).lower(tree).as_text(dialect="hlo")
+  return sum(f" {op}(" in line for line in text.splitlines())
+
+
+@pytest.mark.parametrize("count", [300, 1200])
+def test_program_grows_by_groups_not_by_leaves(count):
+  # Compile time stays flat in the number of leaves because every group of
+  # up to GROUP_SIZE small leaves of one dtype is one concatenation and one
+  # reduction (and one more reduction in the rarely taken overflow branch),
+  # not one reduction per leaf. Elementwise ops still scale with the leaves.
+  tree = many_leaf_tree(count)
+  sizes = [sum(x.dtype == dtype for x in tree) for dtype in {x.dtype for x in tree}]
+  limit = oc._norms.GROUP_SIZE
+  groups = [min(limit, n - start) for n in sizes for start in range(0, n, limit)]
+  assert len(groups) * 40 < count  # many leaves per group
+  norm = lambda t: F.global_norm(t)
+  assert count_ops(norm, tree, "concatenate") == sum(g > 1 for g in groups)
+  assert count_ops(norm, tree, "reduce") == 2 * len(groups)
+  clip = lambda t: F.clip_by_global_norm(t, 1.0)
+  assert count_ops(clip, tree, "reduce") == 2 * len(groups)
