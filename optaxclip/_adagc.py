@@ -122,12 +122,11 @@ def adagc(*, lambda_abs: Any = 1.0, lambda_rel: Any = 1.05, beta: Any = 0.98,
 
   def init_fn(params):
     count = len(_tree.clippable_leaves(params))
-    zero = jnp.zeros([], jnp.int32)
     return AdaGCState(
         gamma=jnp.full([count], jnp.inf, jnp.float32),
         norm=jnp.zeros([], jnp.float32), scale=jnp.ones([], jnp.float32),
-        clipped_tensors=zero, count=zero, clipped_count=zero,
-        nonfinite_count=zero)
+        **_stats.zeros(jnp.int32, "clipped_tensors", "count", "clipped_count",
+                       "nonfinite_count"))
 
   def update_fn(updates, state, params=None):
     del params

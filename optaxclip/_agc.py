@@ -338,10 +338,10 @@ def adaptive_grad_clip(clipping: Any, *, eps: Any = 1e-3, axis: Any = None,
 
   def init_fn(params):
     del params
-    zero = jnp.zeros([], jnp.int32)
     return AGCState(clipped_fraction=jnp.zeros([], jnp.float32),
-                    clipped_units=zero, scale=jnp.ones([], jnp.float32),
-                    count=zero, clipped_count=zero, nonfinite_count=zero)
+                    scale=jnp.ones([], jnp.float32),
+                    **_stats.zeros(jnp.int32, "clipped_units", "count",
+                                   "clipped_count", "nonfinite_count"))
 
   def update_fn(updates, state, params=None):
     if params is None:

@@ -136,15 +136,13 @@ def auto_clip(percentile: Any = 10.0, *, history: int = 1000,
 
   def init_fn(params):
     del params
-    zero = jnp.zeros([], jnp.int32)
     length = _validation.require_buffer_size(fn, "history", size)
     return AutoClipState(
         norms=jnp.zeros([length], jnp.float32),
-        position=zero, size=zero,
-        norm=jnp.zeros([], jnp.float32),
-        threshold=jnp.zeros([], jnp.float32),
         scale=jnp.ones([], jnp.float32),
-        count=zero, clipped_count=zero, nonfinite_count=zero)
+        **_stats.zeros(jnp.float32, "norm", "threshold"),
+        **_stats.zeros(jnp.int32, "position", "size", "count", "clipped_count",
+                       "nonfinite_count"))
 
   def update_fn(updates, state, params=None):
     del params

@@ -171,9 +171,9 @@ def dynamic_loss_scale(initial_scale: Any = 2.0**15, *, period: Any = 2000,
 
   def init_fn(params):
     del params
-    zero = jnp.zeros([], jnp.int32)
     return LossScaleState(scale=jnp.asarray(initial_scale, jnp.float32),
-                          good_steps=zero, count=zero, overflow_count=zero)
+                          **_stats.zeros(jnp.int32, "good_steps", "count",
+                                         "overflow_count"))
 
   def update_fn(updates, state, params=None):
     del params

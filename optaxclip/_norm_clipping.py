@@ -42,10 +42,10 @@ _stats.register(ClipState, "clip", _summarize)
 
 
 def init_clip_state() -> ClipState:
-  zero = jnp.zeros([], jnp.int32)
   return ClipState(norm=jnp.zeros([], jnp.float32),
                    scale=jnp.ones([], jnp.float32),
-                   count=zero, clipped_count=zero, nonfinite_count=zero)
+                   **_stats.zeros(jnp.int32, "count", "clipped_count",
+                                  "nonfinite_count"))
 
 
 def clip_factor(norm: jax.Array, max_norm: Any, eps: Any) -> jax.Array:

@@ -63,12 +63,10 @@ _stats.register(SkipStats, "skip", _summarize)
 
 
 def _init_stats() -> SkipStats:
-  zero = jnp.zeros([], jnp.int32)
-  zero_f = jnp.zeros([], jnp.float32)
-  return SkipStats(norm=zero_f, count=zero, skipped_count=zero,
-                   nonfinite_count=zero, max_norm_count=zero,
-                   zscore_count=zero, ema_count=zero, norm_mean=zero_f,
-                   norm_var=zero_f)
+  return SkipStats(**_stats.zeros(jnp.float32, "norm", "norm_mean", "norm_var"),
+                   **_stats.zeros(jnp.int32, "count", "skipped_count",
+                                  "nonfinite_count", "max_norm_count",
+                                  "zscore_count", "ema_count"))
 
 
 def _moments(norm, mean, var, count, decay):

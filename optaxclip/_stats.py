@@ -80,6 +80,15 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
 
 
 
+def zeros(dtype: Any, *fields: str) -> dict[str, jax.Array]:
+  """A scalar zero of ``dtype`` for each state field in ``fields``.
+
+  One array per field, never shared: ``jit`` cannot donate one buffer twice,
+  so a fresh state whose fields shared an array could not be donated.
+  """
+  return {field: jnp.zeros([], dtype) for field in fields}
+
+
 def increment(counter: jax.Array) -> jax.Array:
   """``counter + 1``, saturating at the int32 maximum."""
   return count_if(True, counter)

@@ -156,15 +156,13 @@ def zclip(*, alpha: Any = 0.97, z_thresh: Any = 2.5,
 
   def init_fn(params):
     del params
-    zero = jnp.zeros([], jnp.int32)
-    zero_f = jnp.zeros([], jnp.float32)
     length = _validation.require_buffer_size(fn, "warmup_steps", size)
     return ZClipState(
-        mean=zero_f, var=zero_f,
-        warmup_norms=jnp.zeros([length], jnp.float32), collected=zero,
-        norm=zero_f, z=zero_f, threshold=zero_f,
-        scale=jnp.ones([], jnp.float32), count=zero, clipped_count=zero,
-        spike_count=zero, nonfinite_count=zero)
+        warmup_norms=jnp.zeros([length], jnp.float32),
+        scale=jnp.ones([], jnp.float32),
+        **_stats.zeros(jnp.float32, "mean", "var", "norm", "z", "threshold"),
+        **_stats.zeros(jnp.int32, "collected", "count", "clipped_count",
+                       "spike_count", "nonfinite_count"))
 
   def spike_threshold(norm, mean, std, z):
     """Whether ``norm`` is a spike, and the threshold it is cut to."""

@@ -132,6 +132,23 @@ def test_dtype_and_state_types_are_stable(name, dtype):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_fresh_state_can_be_donated(name):
+  # A training step usually donates the optimizer state to jit. XLA refuses
+  # to donate one buffer twice, so no two fields of a fresh state may share
+  # an array (as `zero = jnp.zeros(...)` for several counters would).
+  tx = optax.chain(CASES[name].make(), optax.sgd(0.1))
+  grads = tree_like()
+  state = tx.init(grads)
+  leaves = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
+  assert len({id(x) for x in leaves}) == len(leaves)
+  update = jax.jit(tx.update, donate_argnums=1)
+  for _ in range(2):
+    _, state = update(grads, state, PARAMS)
+  assert all(np.isfinite(np.asarray(x, np.float64)).all()
+             for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating))
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_init_accepts_shape_dtype_structs(name):
   tx = CASES[name].make()
   grads = tree_like()
