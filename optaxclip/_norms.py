@@ -476,24 +476,26 @@ def _by_order(norm_fn):
   return call
 
 
-@_by_order
-def leaf_norms(leaves, p, reduction):
-  """The ``p``-norm of each leaf, as a vector in the accumulation dtype."""
+def _p_norms(leaves, p, reduction: Reduction, *, total: bool) -> jax.Array:
+  """The ``p``-norm of each leaf (a vector in the accumulation dtype) or,
+  with ``total``, of all leaves together (a scalar)."""
   acc = _tree.accumulation_dtype(leaves)
   if not leaves:
-    return jnp.zeros([0], acc)
-  groups = _groups(leaves)
-  sums = _power_sums(groups, p, acc, reduction)
+    return jnp.zeros([] if total else [0], acc)
+  groups = _groups(leaves, merge=total and reduction.replicated_axes is None)
+  sums = _power_sums(groups, p, acc, reduction, total=total)
+  if _is_order(p, math.inf):
+    return sums
   if _needs_no_rescue(p):
-    return sums if _is_order(p, math.inf) else safe_root(sums, p)
+    return safe_root(sums, p)
   floor = _precision_floor(leaves, acc, reduction)
   if _is_order(p, 2):
     return _rescued_square_root(sums, floor, lambda scales: _rescued_squares(
-        groups, acc, reduction, scales, total=False))
+        groups, acc, reduction, scales, total=total))
 
   def rescued():
     exponents, usable, scaled = _rescaled_sums(groups, p, acc, reduction,
-                                               total=False)
+                                               total=total)
     return jnp.where(usable, times_power_of_two(safe_root(scaled, p), exponents),
                      safe_root(sums, p))
 
@@ -501,27 +503,15 @@ def leaf_norms(leaves, p, reduction):
 
 
 @_by_order
+def leaf_norms(leaves, p, reduction):
+  """The ``p``-norm of each leaf, as a vector in the accumulation dtype."""
+  return _p_norms(leaves, p, reduction, total=False)
+
+
+@_by_order
 def norm_of_leaves(leaves, p, reduction):
   """The ``p``-norm of all ``leaves`` taken together, as a scalar."""
-  acc = _tree.accumulation_dtype(leaves)
-  if not leaves:
-    return jnp.zeros([], acc)
-  groups = _groups(leaves, merge=reduction.replicated_axes is None)
-  total = _power_sums(groups, p, acc, reduction, total=True)
-  if _needs_no_rescue(p):
-    return total
-  floor = _precision_floor(leaves, acc, reduction)
-  if _is_order(p, 2):
-    return _rescued_square_root(total, floor, lambda scale: _rescued_squares(
-        groups, acc, reduction, scale, total=True))
-
-  def rescued():
-    exponent, usable, scaled = _rescaled_sums(groups, p, acc, reduction,
-                                              total=True)
-    norm = times_power_of_two(safe_root(scaled, p), exponent)
-    return jnp.where(usable, norm, safe_root(total, p))
-
-  return lax.cond(_unsafe(total, floor), rescued, lambda: safe_root(total, p))
+  return _p_norms(leaves, p, reduction, total=True)
 
 
 def global_norm(tree: PyTree, ord: float | str = 2, *, axis_name: Any = None,
