@@ -40,6 +40,7 @@ from _timing import (  # noqa: E402
   median_difference,
   median_ratio,
   median_time,
+  rotated,
 )
 
 import optaxclip as oc  # noqa: E402
@@ -143,8 +144,9 @@ def _compile_samples(leaves: int, config: Config, skip: set[str]
   for round_ in range(config.compile_repeats):
     if round_ == config.compile_reference_repeats:
       active.pop("optax clip", None)
-    for name, make_tx in list(active.items()):
-      seconds = compile_seconds(make_tx, lambda: _trees.small_leaf_structs(leaves))
+    for name in rotated(list(active), round_):
+      seconds = compile_seconds(active[name],
+                                lambda: _trees.small_leaf_structs(leaves))
       samples[name].append(seconds)
       too_slow = config.compile_skip_s and seconds > config.compile_skip_s
       if name == "optax clip" and leaves > SKIP_ABOVE_LEAVES and too_slow:

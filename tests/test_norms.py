@@ -241,8 +241,8 @@ def count_ops(fn, tree, op):
 def test_program_grows_by_groups_not_by_leaves(count):
   # Compile time stays flat in the number of leaves because every group of
   # up to GROUP_SIZE small leaves of one dtype is one concatenation and one
-  # reduction (and one more reduction in the rarely taken overflow branch),
-  # not one reduction per leaf. Elementwise ops still scale with the leaves.
+  # reduction (and one more in the rarely taken overflow branch), not one
+  # reduction per leaf. Elementwise ops still scale with the leaves.
   tree = many_leaf_tree(count)
   sizes = [sum(x.dtype == dtype for x in tree) for dtype in {x.dtype for x in tree}]
   limit = oc._norms.GROUP_SIZE
