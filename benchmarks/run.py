@@ -54,6 +54,7 @@ class Config:
   mode: str
   repeats: int  # rounds of interleaved run-time calls
   train_step_repeats: int  # the same for target 2, a small difference of large times
+  standalone_repeats: int  # the same for target 3, a ratio near 1
   compile_repeats: int  # rounds of fresh compiles per size
   compile_reference_repeats: int  # of those, rounds that compile optax's clip
   compile_leaves: tuple[int, ...]
@@ -65,14 +66,16 @@ class Config:
 
 
 FULL = Config(
-    mode="full", repeats=15, train_step_repeats=31, compile_repeats=7,
+    mode="full", repeats=15, train_step_repeats=31, standalone_repeats=41,
+    compile_repeats=11,
     compile_reference_repeats=3,
     compile_leaves=(250, 500, 1000, 2000, 4000), compile_skip_s=30.0,
     transformer=dict(vocab=32000, d_model=512, layers=12, seq_len=1024),
     many_leaves=2000, accuracy_size=10**8,
     half_shapes=((1024, 1024),) * 4)
 QUICK = dataclasses.replace(
-    FULL, mode="quick", repeats=7, train_step_repeats=11, compile_repeats=3,
+    FULL, mode="quick", repeats=7, train_step_repeats=11, standalone_repeats=7,
+    compile_repeats=3,
     compile_leaves=(100, 250),
     transformer=dict(vocab=32000, d_model=256, layers=8, seq_len=512),
     many_leaves=250, accuracy_size=10**7, half_shapes=((1024, 1024),) * 2)
@@ -311,13 +314,22 @@ def target_standalone(config: Config, ctx: Context) -> Section:
   grads = ctx.grads
   transforms = {"optaxclip": oc.clip_by_global_norm(1.0),
                 "optax": optax.clip_by_global_norm(1.0)}
-  samples = interleaved_samples({name: _clip_call(tx, grads)
-                                 for name, tx in transforms.items()}, config.repeats)
+  norm, scale = jax.jit(F.global_norm), jax.jit(optax.scale(0.5).update)
+  candidates = {name: _clip_call(tx, grads) for name, tx in transforms.items()}
+  candidates["norm pass"] = lambda: norm(grads)
+  candidates["scale pass"] = lambda: scale(grads, optax.EmptyState())
+  samples = interleaved_samples(candidates, config.standalone_repeats)
   t = {name: statistics.median(times) for name, times in samples.items()}
   ratio = median_ratio(samples["optaxclip"], samples["optax"])
-  time_rows = [["optaxclip", ms(t["optaxclip"]), f"**{ratio:.2f}**", "<= 1.0",
-                verdict(ratio <= 1.0)],
-               ["optax", ms(t["optax"]), "1.00", "reference", "info"]]
+  floor = [a + b for a, b in zip(samples["norm pass"], samples["scale pass"])]
+  floor_ratios = {name: median_ratio(samples[name], floor) for name in transforms}
+  scale_share = median_ratio(samples["scale pass"], floor)
+  time_rows = [["optaxclip", ms(t["optaxclip"]), f"**{ratio:.2f}**",
+                f"{floor_ratios['optaxclip']:.2f}", "<= 1.0", verdict(ratio <= 1.0)],
+               ["optax", ms(t["optax"]), "1.00", f"{floor_ratios['optax']:.2f}",
+                "reference", "info"],
+               ["floor: norm pass + scale pass", ms(statistics.median(floor)), "", "1.00",
+                "reference", "info"]]
   checks = [Check("optaxclip / optax clip time", f"{ratio:.2f}", "<= 1.0", ratio <= 1.0)]
   tree_bytes = _trees.tree_bytes(grads)
   memory_rows = []
@@ -329,13 +341,20 @@ def target_standalone(config: Config, ctx: Context) -> Section:
       key="standalone", title="Standalone clip",
       description=(
           f"`jit(tx.update)(grads, state)` alone on the transformer tree "
-          f"({describe_tree(grads)}). Target: optaxclip no slower than optax "
-          "(ratio <= 1.0, within noise). Then both compiled with "
+          f"({describe_tree(grads)}), over {config.standalone_repeats} rounds. "
+          "Target: optaxclip no slower than optax (ratio <= 1.0, within noise). "
+          "The floor for any clipper is one read of the tree for its norm "
+          "(`jit(F.global_norm)`) plus one elementwise pass that writes a "
+          "fresh tree (`jit(optax.scale(0.5).update)`), timed in the same "
+          f"rounds; both libraries sit on it ({scale_share:.0%} of it is the "
+          "elementwise pass, on a CPU mostly writing and page-faulting the "
+          "new output buffers), so the ratio between them is a tie within a "
+          "few percent of noise. Then both compiled with "
           "`jax.jit(tx.update, donate_argnums=0)`: XLA's "
           "`compiled.memory_analysis()` must show no full-size temporary "
           f"(temp bytes < 10% of the tree's {tree_bytes / 2**20:.0f} MiB)."),
-      tables=[Table(["clip", "median (ms)", "optaxclip / optax", "target", "status"],
-                    time_rows),
+      tables=[Table(["clip", "median (ms)", "optaxclip / optax", "/ floor", "target",
+                     "status"], time_rows),
               Table(["clip", "temp (MiB)", "temp / tree", "arguments (MiB)",
                      "outputs (MiB)", "aliased (MiB)", "target", "status"],
                     memory_rows, caption="Memory with the updates donated:")],
