@@ -109,8 +109,8 @@ def adagc(*, lambda_abs: Any = 1.0, lambda_rel: Any = 1.05, beta: Any = 0.98,
     (Array([0.  , 0.63], dtype=float32), Array([0. , 0.5], dtype=float32))
 
   References:
-    Wang et al., `AdaGC: Enhancing LLM Pretraining Stability via Adaptive
-    Gradient Clipping <https://arxiv.org/abs/2502.11034>`_, 2025.
+    Wang et al., [AdaGC: Enhancing LLM Pretraining Stability via Adaptive
+    Gradient Clipping](https://arxiv.org/abs/2502.11034), 2025.
   """
   fn = "adagc"
   _validation.check_nonnegative(fn, "lambda_abs", lambda_abs)

@@ -281,8 +281,8 @@ def adaptive_grad_clip_fn(updates: PyTree, params: PyTree, clipping: Any, *,
            [0.08, 0.1 ]], dtype=float32)
 
   References:
-    Brock et al., `High-Performance Large-Scale Image Recognition Without
-    Normalization <https://arxiv.org/abs/2102.06171>`_, 2021.
+    Brock et al., [High-Performance Large-Scale Image Recognition Without
+    Normalization](https://arxiv.org/abs/2102.06171), 2021.
   """
   fn = "adaptive_grad_clip"
   axes = _check(fn, clipping, eps, axis, axis_name, specs)
@@ -330,8 +330,8 @@ def adaptive_grad_clip(clipping: Any, *, eps: Any = 1e-3, axis: Any = None,
     Array(0.5, dtype=float32)
 
   References:
-    Brock et al., `High-Performance Large-Scale Image Recognition Without
-    Normalization <https://arxiv.org/abs/2102.06171>`_, 2021.
+    Brock et al., [High-Performance Large-Scale Image Recognition Without
+    Normalization](https://arxiv.org/abs/2102.06171), 2021.
   """
   fn = "adaptive_grad_clip"
   axes = _check(fn, clipping, eps, axis, axis_name, specs)

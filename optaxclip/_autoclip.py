@@ -125,8 +125,8 @@ def auto_clip(percentile: Any = 10.0, *, history: int = 1000,
     Array([0. , 2.5], dtype=float32)
 
   References:
-    Seetharaman et al., `AutoClip: Adaptive Gradient Clipping for Source
-    Separation Networks <https://arxiv.org/abs/2007.14469>`_, 2020.
+    Seetharaman et al., [AutoClip: Adaptive Gradient Clipping for Source
+    Separation Networks](https://arxiv.org/abs/2007.14469), 2020.
   """
   fn = "auto_clip"
   _check_percentile(fn, percentile)

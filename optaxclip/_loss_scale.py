@@ -151,8 +151,7 @@ def dynamic_loss_scale(initial_scale: Any = 2.0**15, *, period: Any = 2000,
     (Array(16384., dtype=float32), Array(1, dtype=int32))
 
   References:
-    Micikevicius et al., `Mixed Precision Training
-    <https://arxiv.org/abs/1710.03740>`_, 2018.
+    Micikevicius et al., [Mixed Precision Training](https://arxiv.org/abs/1710.03740), 2018.
   """
   fn = "dynamic_loss_scale"
   _validation.check_positive(fn, "initial_scale", initial_scale)

@@ -136,8 +136,7 @@ def per_example_clip_by_global_norm(grads: PyTree, max_norm: Any, *,
     (Array(2, dtype=int32), Array([0., 5., 5.], dtype=float32))
 
   References:
-    Abadi et al., `Deep Learning with Differential Privacy
-    <https://arxiv.org/abs/1607.00133>`_, 2016.
+    Abadi et al., [Deep Learning with Differential Privacy](https://arxiv.org/abs/1607.00133), 2016.
   """
   fn = "per_example_clip_by_global_norm"
   _check_max_norm(fn, max_norm)
@@ -194,8 +193,8 @@ def per_example_clip_by_layer_norm(grads: PyTree, max_norm: Any, *,
     {'a': Array(1, dtype=int32), 'b': Array(0, dtype=int32)}
 
   References:
-    McMahan et al., `Learning Differentially Private Recurrent Language
-    Models <https://arxiv.org/abs/1710.06963>`_, 2018.
+    McMahan et al., [Learning Differentially Private Recurrent Language
+    Models](https://arxiv.org/abs/1710.06963), 2018.
   """
   fn = "per_example_clip_by_layer_norm"
   _check_max_norm(fn, max_norm)

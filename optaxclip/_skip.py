@@ -160,10 +160,10 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
     (Array(1, dtype=int32), Array(2, dtype=int32))
 
   References:
-    Chowdhery et al., `PaLM: Scaling Language Modeling with Pathways
-    <https://arxiv.org/abs/2204.02311>`_, 2022 (skipping batches around
-    loss spikes); OLMo Team, `2 OLMo 2 Furious
-    <https://arxiv.org/abs/2501.00656>`_, 2025.
+    Chowdhery et al., [PaLM: Scaling Language Modeling with
+    Pathways](https://arxiv.org/abs/2204.02311), 2022 (skipping batches
+    around loss spikes); OLMo Team, [2 OLMo 2
+    Furious](https://arxiv.org/abs/2501.00656), 2025.
   """
   fn = "skip_step"
   if not (hasattr(inner, "init") and hasattr(inner, "update")):

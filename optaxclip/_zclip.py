@@ -136,8 +136,8 @@ def zclip(*, alpha: Any = 0.97, z_thresh: Any = 2.5,
     Array([1.0185], dtype=float32)
 
   References:
-    Kumar et al., `ZClip: Adaptive Spike Mitigation for LLM Pre-Training
-    <https://arxiv.org/abs/2504.02507>`_, 2025.
+    Kumar et al., [ZClip: Adaptive Spike Mitigation for LLM
+    Pre-Training](https://arxiv.org/abs/2504.02507), 2025.
   """
   fn = "zclip"
   _validation.check_unit_interval(fn, "alpha", alpha)

@@ -183,6 +183,16 @@ def test_distributed_page_on_8_devices():
   assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_docstring_links_are_markdown():
+  """mkdocstrings renders docstrings as Markdown: an RST link
+  (`` `Title <url>`_ ``) would show up literally on the reference page."""
+  rst_link = re.compile(r"<https?://[^>]+>`_")
+  offenders = [f"{path.name}: {match.group(0)}"
+               for path in sorted((ROOT / "optaxclip").glob("*.py"))
+               for match in rst_link.finditer(path.read_text())]
+  assert not offenders, offenders
+
+
 def test_mkdocs_build_strict(tmp_path):
   """The site builds with ``mkdocs build --strict``: no warnings at all."""
   if importlib.util.find_spec("mkdocs") is None:
@@ -197,7 +207,8 @@ def test_mkdocs_build_strict(tmp_path):
        str(tmp_path / "site")],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stdout + result.stderr
-  assert (tmp_path / "site" / "reference" / "index.html").exists()
+  reference = (tmp_path / "site" / "reference" / "index.html").read_text()
+  assert '<a href="https://arxiv.org/abs/2504.02507">' in reference  # ZClip
 
 
 if __name__ == "__main__":
