@@ -17,19 +17,24 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 import matplotlib.ticker  # noqa: E402
 
 METHODOLOGY = """\
+- **Isolation**: every target runs in a fresh Python process, so none is
+  measured in a process an earlier target left behind.
 - **Run time**: one warm-up call per candidate, then {repeats} rounds in which
-  every candidate takes one sample in turn (A, B, C, A, B, C, ...); the table
-  shows the median sample per candidate, in time per call. A sample is one
-  call, or for calls under {min_sample_ms:.0f} ms the mean of enough
-  back-to-back calls to last that long; each call is waited for with
-  `jax.block_until_ready` (PyTorch on CPU is synchronous). Inputs are built
-  once and reused. Ratios of two candidates are the median of the per-round
-  ratios, and target 2's difference of step times the median of the
-  per-round differences (over {train_step_repeats} rounds): samples of one
-  round share the machine's state, so drift between rounds cancels.
+  every candidate takes one sample in turn, each round starting with the next
+  candidate (A, B, C, then B, C, A, ...), so that each holds every position
+  equally often; the table shows the median sample per candidate, in time
+  per call. A sample is one call, or for calls under {min_sample_ms:.0f} ms the
+  mean of enough back-to-back calls to last that long; each call is waited
+  for with `jax.block_until_ready` (PyTorch on CPU is synchronous). Inputs
+  are built once and reused (donated, as in a training loop, only where a
+  table says so). Ratios of two candidates are the median of the
+  per-round ratios (target 3: over {standalone_repeats} rounds), and target
+  2's difference of step times the median of the per-round differences (over
+  {train_step_repeats} rounds): samples of one round share the machine's
+  state, so drift between rounds cancels.
 - **Compile time**: wall time of `jax.jit(tx.update).lower(updates, state).compile()`
   for a new transform on new tree objects, after `jax.clear_caches()`. The
-  transforms alternate, round after round; times are medians over
+  transforms take turns, rotating as above; times are medians over
   {compile_repeats} rounds (optax's clip, a slow reference: at most
   {compile_reference_repeats}), and the ratio to `optax.scale` is the median of
   the per-round ratios, which cancels drift in the machine's speed.

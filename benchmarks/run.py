@@ -11,10 +11,12 @@ See `benchmarks/README.md` for what each target measures.
 """
 
 import argparse
+import concurrent.futures
 import dataclasses
 import functools
 import json
 import math
+import multiprocessing
 import statistics
 import sys
 from collections.abc import Callable
@@ -630,6 +632,25 @@ def select_platform(name: str) -> None:
   jax.config.update("jax_default_device", gpus[0])
 
 
+def run_target(key: str, config: Config, platform: str) -> Section:
+  """Runs target `key` in this process, with a context of its own."""
+  select_platform(platform)
+  return TARGETS[key](config, Context(config, platform))
+
+
+def run_target_in_fresh_process(key: str, config: Config, platform: str) -> Section:
+  """Runs target `key` in a new Python process and returns its section.
+
+  Each target starts from the same state: no target runs in a process that
+  an earlier one left behind (after the compile target's hundreds of fresh
+  compiles, every run time measured here in the same process, PyTorch's
+  included, was 20-30% slower, and not by the same factor for each).
+  """
+  spawn = multiprocessing.get_context("spawn")
+  with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+    return pool.submit(run_target, key, config, platform).result()
+
+
 def main(argv: list[str] | None = None) -> None:
   args = parse_args(argv)
   select_platform(args.platform)
@@ -638,14 +659,13 @@ def main(argv: list[str] | None = None) -> None:
     config = dataclasses.replace(config, compile_skip_s=None)
   args.out.mkdir(parents=True, exist_ok=True)
   env = _report.environment()
-  ctx = Context(config, args.platform)
   numbers = {key: i for i, key in enumerate(TARGETS, start=1)}
   sections = []
   with Timer() as total:
     for key in args.only:
       print(f"[{numbers[key]}/{len(TARGETS)}] {key} ...", end=" ", flush=True)
       with Timer() as timer:
-        section = TARGETS[key](config, ctx)
+        section = run_target_in_fresh_process(key, config, args.platform)
       sections.append(section)
       print(f"{verdict(section.passed)} ({timer.seconds:.1f} s)", flush=True)
     plots = _report.write_plots(sections, args.out)
@@ -653,6 +673,8 @@ def main(argv: list[str] | None = None) -> None:
               "repeats": config.repeats, "compile_repeats": config.compile_repeats,
               "compile_reference_repeats": config.compile_reference_repeats,
               "train_step_repeats": config.train_step_repeats,
+              "standalone_repeats": config.standalone_repeats,
+              "isolation": "each target in a fresh Python process",
               "min_sample_ms": _timing.MIN_SAMPLE_SECONDS * 1e3}
   markdown = _report.render_markdown(sections, numbers, env, settings, plots,
                                      total.seconds)
