@@ -18,6 +18,7 @@ ratios are taken within each round, then their median.
 
 import gc
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -94,6 +95,19 @@ def median_ratio(a: list[float], b: list[float]) -> float:
   """Median of the per-round ratios `a[i] / b[i]`: steadier than a ratio of
   medians, for the reason `median_difference` gives."""
   return statistics.median(x / y for x, y in zip(a, b))
+
+
+def median_ratio_interval(a: list[float], b: list[float], level: float = 0.95,
+                          resamples: int = 2000) -> tuple[float, float]:
+  """A bootstrap interval for `median_ratio(a, b)`: the rounds resampled
+  with replacement (a fixed seed, so a report is reproducible from its
+  samples)."""
+  ratios = [x / y for x, y in zip(a, b)]
+  rng = random.Random(0)
+  medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios)))
+                   for _ in range(resamples))
+  tail = (1 - level) / 2
+  return medians[int(tail * resamples)], medians[int((1 - tail) * resamples) - 1]
 
 
 def median_difference(a: list[float], b: list[float]) -> float:
