@@ -182,6 +182,10 @@ def target_compile(config: Config, ctx: Context) -> Section:
   rows, checks = [], []
   seconds = {name: [] for name in COMPILE_TRANSFORMS}
   previous = None
+  # Warm-up: the first compiles of a process also set up XLA and LLVM, a
+  # cost no later compile pays; one discarded compile of each transform.
+  for make_tx in COMPILE_TRANSFORMS.values():
+    compile_seconds(make_tx, lambda: _trees.small_leaf_structs(config.compile_leaves[0]))
   for leaves in config.compile_leaves:
     skip = {"optax clip"} if _predicted_too_slow(leaves, previous, config) else set()
     samples = _compile_samples(leaves, config, skip)
