@@ -652,7 +652,7 @@ def run_target_in_fresh_process(key: str, config: Config, platform: str) -> Sect
   Each target starts from the same state: no target runs in a process that
   an earlier one left behind (after the compile target's hundreds of fresh
   compiles, every run time measured here in the same process, PyTorch's
-  included, was 20-30% slower, and not by the same factor for each).
+  included, was 20-35% slower, and not by the same factor for each).
   """
   spawn = multiprocessing.get_context("spawn")
   with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
