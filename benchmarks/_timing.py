@@ -84,11 +84,15 @@ def rotated(names: list[str], round_: int) -> list[str]:
   return names[start:] + names[:start]
 
 
+def medians(samples: dict[str, list[float]]) -> dict[str, float]:
+  """The median sample of each candidate."""
+  return {name: statistics.median(times) for name, times in samples.items()}
+
+
 def interleaved_medians(candidates: dict[str, Callable[[], Any]], repeats: int,
                         warmup: int = 1) -> dict[str, float]:
   """Median seconds per call for each candidate, sampled in turn each round."""
-  samples = interleaved_samples(candidates, repeats, warmup)
-  return {name: statistics.median(times) for name, times in samples.items()}
+  return medians(interleaved_samples(candidates, repeats, warmup))
 
 
 def median_ratio(a: list[float], b: list[float]) -> float:

@@ -43,6 +43,7 @@ from _timing import (  # noqa: E402
   median_ratio,
   median_ratio_interval,
   median_time,
+  medians,
   rotated,
 )
 
@@ -94,7 +95,8 @@ def describe_tree(tree: Any) -> str:
 
 
 class Context:
-  """What several targets share: the transformer tree and PyTorch, made once."""
+  """What a target's candidates share: the transformer tree and PyTorch,
+  made on first use (each target runs in a process of its own)."""
 
   def __init__(self, config: Config, platform: str):
     self.config = config
@@ -254,7 +256,7 @@ def target_train_step(config: Config, ctx: Context) -> Section:
       "optaxclip global_norm": lambda: norm(grads),
       "optax.tree.norm": lambda: optax_norm(grads),
   }, config.train_step_repeats)
-  t = {name: statistics.median(times) for name, times in samples.items()}
+  t = medians(samples)
   t_norm = t["optaxclip global_norm"]
   rows, checks = [], []
   for library, key, target in [("optaxclip", "optaxclip clip + adamw", 0.75),
@@ -326,7 +328,7 @@ def target_standalone(config: Config, ctx: Context) -> Section:
   candidates["norm pass"] = lambda: norm(grads)
   candidates["scale pass"] = lambda: scale(grads, optax.EmptyState())
   samples = interleaved_samples(candidates, config.standalone_repeats)
-  t = {name: statistics.median(times) for name, times in samples.items()}
+  t = medians(samples)
   ratio = median_ratio(samples["optaxclip"], samples["optax"])
   low, high = median_ratio_interval(samples["optaxclip"], samples["optax"])
   floor = [a + b for a, b in zip(samples["norm pass"], samples["scale pass"])]
@@ -433,7 +435,7 @@ def target_many_leaves(config: Config, ctx: Context) -> Section:
   if torch_clip is not None:
     candidates["torch clip_grad_norm_ (foreach)"] = torch_clip
   samples = interleaved_samples(candidates, config.repeats)
-  t = {name: statistics.median(times) for name, times in samples.items()}
+  t = medians(samples)
   rows, checks = [], []
   for mine, other, judged in MANY_LEAVES_COMPARISONS:
     if other not in samples:
@@ -561,7 +563,7 @@ def target_fallback(config: Config, ctx: Context) -> Section:
       "optaxclip global_norm": lambda: norm(grads),
       "plain sqrt(sum(x*x))": lambda: plain(grads),
   }, config.repeats)
-  t = {name: statistics.median(times) for name, times in samples.items()}
+  t = medians(samples)
   # Timed apart: interleaved, the slow triggered call would run just before
   # (and disturb the caches of) the call it is compared with.
   t["optaxclip, fallback triggered"] = median_time(lambda: norm(huge), config.repeats)

@@ -432,8 +432,7 @@ def _rescued_square_root(sums, floor, resum) -> jax.Array:
 
 def _unsafe(sums, floor) -> jax.Array:
   # Inf and NaN fail both comparisons; the rescue then propagates them.
-  safe = (sums >= floor) & (sums < jnp.inf)
-  return ~safe if safe.ndim == 0 else ~jnp.all(safe)
+  return ~jnp.all((sums >= floor) & (sums < jnp.inf))
 
 
 def _needs_no_rescue(p) -> bool:
