@@ -15,6 +15,7 @@ from optaxclip._agc import adaptive_grad_clip as adaptive_grad_clip
 from optaxclip._autoclip import AutoClipState as AutoClipState
 from optaxclip._autoclip import auto_clip as auto_clip
 from optaxclip._loss_scale import LossScaleState as LossScaleState
+from optaxclip._loss_scale import LossScaleWrapperState as LossScaleWrapperState
 from optaxclip._loss_scale import dynamic_loss_scale as dynamic_loss_scale
 from optaxclip._loss_scale import loss_scale as loss_scale
 from optaxclip._nonfinite import NonFiniteGradientError as NonFiniteGradientError
@@ -38,6 +39,7 @@ __all__ = [
     "AutoClipState",
     "ClipState",
     "LossScaleState",
+    "LossScaleWrapperState",
     "NonFiniteGradientError",
     "SkipState",
     "SkipStats",

@@ -10,21 +10,37 @@ multiplied by ``factor``, to find the largest scale that does not overflow.
 The schedule is that of MindSpore's ``DynamicLossScaleUpdateCell`` and of
 ``jmp.DynamicLossScale``.
 
-Skipping the optimizer on an overflow. ``dynamic_loss_scale`` is a chain
-element: on an overflow it records the back-off and passes the non-finite
-gradients on, so that the guard that follows sees them. It cannot stop the
-transforms after it by itself (no chain element can). The guard is
-``skip_step``, used either way round:
+Skipping the optimizer on an overflow. ``dynamic_loss_scale(optax.adamw(...))``
+wraps the optimizer, as PyTorch's ``GradScaler.step`` does: on an overflow
+the optimizer's updates are zeros and its state stays bit for bit as it was,
+while the scale's back-off sticks. The compositions that keep this:
 
-- ``skip_step(optax.chain(dynamic_loss_scale(), optax.adamw(...)))``: the
-  whole chain skips. ``skip_step`` knows loss-scale states: it rolls back
-  every inner state except them (the back-off must stick, or every later
-  step would overflow again), and it judges the norm of the unscaled
-  gradients (its input is still scaled).
-- ``optax.chain(dynamic_loss_scale(), skip_step(optax.adamw(...)))``.
+- ``dynamic_loss_scale(inner)``, clippers inside, where the gradients are
+  already unscaled: ``dynamic_loss_scale(optax.chain(clip_by_global_norm(1.0),
+  optax.adamw(...)))``. ``dynamic_loss_scale(skip_step(inner, zscore=6.0))``
+  also skips norm spikes (``skip_step`` sees unscaled gradients and never an
+  overflow).
+- ``skip_step(optax.chain(dynamic_loss_scale(), optax.adamw(...)))``:
+  ``skip_step`` rolls back every inner state except the loss scale's, and
+  judges its input (still scaled) divided by the scale.
+- With gradient accumulation, the loss scaling goes outside:
+  ``dynamic_loss_scale(optax.MultiSteps(...))``. Inside, the accumulator would
+  sum scaled gradients and one overflow would poison it for good.
 
-``optax.apply_if_finite`` works after ``dynamic_loss_scale`` but not around
-it: it would roll the back-off back, and every step would overflow.
+The chain form, ``optax.chain(dynamic_loss_scale(), optax.adamw(...))``,
+passes zeros on after an overflow: the params stay finite, but what follows
+takes a step with zero gradients (Adam's moments decay, its step count and
+weight decay advance; ``skip_step`` and the adaptive clippers there record a
+norm of 0 and skip nothing). Only the wrapper, or ``skip_step`` around the
+chain, leaves the optimizer's state untouched.
+
+Clippers must see unscaled gradients: after the loss scaling in a chain, or
+inside its ``inner``. ``loss_scale(opt_state)``, and the ``init`` of
+``dynamic_loss_scale(inner)`` and ``skip_step``, raise a ``ValueError`` when
+an optaxclip clipper comes first (``clip_by_value`` keeps no state, so it
+cannot be seen: put it after too) or when the loss scaling sits inside
+``optax.MultiSteps`` or ``optax.apply_if_finite`` (which would roll the
+back-off back: the next steps would overflow again).
 
 The settings (``period``, ``factor``, ``min_scale``) live in the transform,
 not in the state: a state that went through ``jit``, flattening or a
@@ -38,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxclip import _norm_clipping, _norms, _stats, _validation
+from optaxclip import _norm_clipping, _norms, _stats, _tree, _validation
 
 PyTree = Any
 
@@ -52,7 +68,13 @@ class LossScaleState(NamedTuple):
   overflow_count: jax.Array  # int32: steps whose gradients overflowed
 
 
-_stats.register(LossScaleState, "loss_scale")
+class LossScaleWrapperState(NamedTuple):
+  """State of ``dynamic_loss_scale(inner)``: the scale's and the optimizer's."""
+  loss_scale: LossScaleState  # read by optaxclip.stats as "loss_scale/<field>"
+  inner_state: Any  # the wrapped optimizer's state
+
+
+_stats.register(LossScaleState, "loss_scale", clips=False)
 
 
 def is_loss_scale_state(x: Any) -> bool:
@@ -69,12 +91,95 @@ def find_loss_scale_states(opt_state: Any) -> list[LossScaleState]:
   return [node for node in nodes if is_loss_scale_state(node)]
 
 
+def _is_placed(x: Any) -> bool:
+  """A loss scaler's or a clipper's state: what ``check_placement`` orders."""
+  return isinstance(x, (LossScaleState, LossScaleWrapperState)) or \
+      _stats.is_clipper_state(x)
+
+
+def _route(tree: PyTree, path: tuple[Any, ...]) -> list[tuple[Any, int]]:
+  """``(container, position)`` for each step of ``path`` down ``tree``.
+
+  Positions follow the order updates flow in: a dict's insertion order (that
+  of ``optax.named_chain``; JAX would sort the keys), else the tree's.
+  """
+  route = []
+  for key in path:
+    children, _ = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x, node=tree: x is not node)  # one level down
+    position, child = next((i, c) for i, ((k,), c) in enumerate(children)
+                           if k == key)
+    if isinstance(tree, dict):
+      position = list(tree).index(key.key)
+    route.append((tree, position))
+    tree = child
+  return route
+
+
+def _comes_before(first: list[Any], second: list[Any]) -> bool:
+  """Whether updates flow through ``first`` before ``second`` (two routes)."""
+  for depth, ((_, i), (_, j)) in enumerate(zip(first, second)):
+    if i != j:  # the labels of optax.partition are parallel, not in a row
+      parallel = depth > 0 and isinstance(first[depth - 1][0],
+                                          optax.PartitionState)
+      return i < j and not parallel
+  return False
+
+
+# Wrappers that must not hold the loss scaling, and why.
+_NOT_AROUND = {
+    optax.MultiStepsState: (
+        "optax.MultiSteps, whose accumulator would then sum scaled gradients: "
+        "one overflow makes it NaN for good (MultiSteps resets it by "
+        "multiplying by 0). Put the loss scaling outside: "
+        "optaxclip.dynamic_loss_scale(optax.MultiSteps(optimizer, k))"),
+    optax.ApplyIfFiniteState: (
+        "optax.apply_if_finite, which rolls the scale's back-off back on an "
+        "overflow, so the next steps overflow again. dynamic_loss_scale "
+        "drops overflowed steps itself: put apply_if_finite inside, "
+        "optaxclip.dynamic_loss_scale(optax.apply_if_finite(optimizer, n)), "
+        "or leave it out"),
+}
+
+
+def check_placement(opt_state: Any, where: str, root: str = "opt_state") -> None:
+  """Raises where the loss scaling sits in ``opt_state`` gives wrong updates.
+
+  After an optaxclip clipper (outside the scaler's own ``inner``), the clipper
+  saw scaled gradients; inside ``optax.MultiSteps`` or
+  ``optax.apply_if_finite``, see ``_NOT_AROUND``. Structure only:
+  free under ``jit``. ``where`` and ``root`` name the caller and the state
+  in the message.
+  """
+  found, _ = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_placed)
+  placed = [(path, node, _route(opt_state, path))
+            for path, node in found if _is_placed(node)]
+  for path, node, route in placed:
+    if _stats.is_clipper_state(node):
+      continue
+    at = f"{root}{jax.tree_util.keystr(path)}"
+    for container, _ in route:
+      if type(container) in _NOT_AROUND:
+        raise ValueError(f"`{where}`: dynamic_loss_scale's state ({at}) is "
+                         f"inside {_NOT_AROUND[type(container)]}")
+    for clip_path, clipper, clip_route in placed:
+      if _stats.is_clipper_state(clipper) and _comes_before(clip_route, route):
+        raise ValueError(
+            f"`{where}`: the clipper state {type(clipper).__name__} at "
+            f"{root}{jax.tree_util.keystr(clip_path)} comes before "
+            f"dynamic_loss_scale's state ({at}), so the clipper sees the "
+            f"scaled gradients (loss scale times too large) and clips them "
+            f"wrongly. Put the loss scaling first: optax.chain("
+            f"optaxclip.dynamic_loss_scale(...), clipper, optimizer), or "
+            f"optaxclip.dynamic_loss_scale(optax.chain(clipper, optimizer))")
+
+
 def loss_scale(opt_state: Any) -> jax.Array:
   """The current loss scale held in an optimizer state.
 
   Finds the state of the one ``dynamic_loss_scale`` anywhere in
-  ``opt_state`` (inside ``optax.chain``, ``skip_step``, ``MultiSteps``,
-  ``inject_hyperparams``, ...).
+  ``opt_state`` (inside ``optax.chain``, ``skip_step``,
+  ``inject_hyperparams``, ...), and checks that it is placed right.
 
   Args:
     opt_state: an optax optimizer state built with ``dynamic_loss_scale``.
@@ -84,15 +189,28 @@ def loss_scale(opt_state: Any) -> jax.Array:
     (cast to the loss's dtype, as ``jmp`` does).
 
   Raises:
-    ValueError: when ``opt_state`` holds no loss-scale state, or several.
+    ValueError: when ``opt_state`` holds no loss-scale state, or several;
+      when an optaxclip clipper comes before the loss scaling (it would clip
+      scaled gradients), or the loss scaling sits inside ``optax.MultiSteps``
+      or ``optax.apply_if_finite``.
 
   Examples:
     >>> import jax.numpy as jnp
     >>> import optax
-    >>> from optaxclip import dynamic_loss_scale, loss_scale
-    >>> tx = optax.chain(dynamic_loss_scale(2.0**10), optax.sgd(0.1))
+    >>> from optaxclip import clip_by_global_norm, dynamic_loss_scale, loss_scale
+    >>> tx = dynamic_loss_scale(2.0**10, inner=optax.sgd(0.1))
     >>> loss_scale(tx.init({"w": jnp.ones(2)}))
     Array(1024., dtype=float32)
+    >>> tx = optax.chain(clip_by_global_norm(1.0), dynamic_loss_scale(), optax.sgd(0.1))
+    >>> loss_scale(tx.init({"w": jnp.ones(2)}))
+    Traceback (most recent call last):
+    ...
+    ValueError: `loss_scale(opt_state)`: the clipper state ClipState at
+    opt_state[0] comes before dynamic_loss_scale's state (opt_state[1]), so
+    the clipper sees the scaled gradients (loss scale times too large) and
+    clips them wrongly. Put the loss scaling first:
+    optax.chain(optaxclip.dynamic_loss_scale(...), clipper, optimizer), or
+    optaxclip.dynamic_loss_scale(optax.chain(clipper, optimizer))
   """
   found = find_loss_scale_states(opt_state)
   if len(found) != 1:
@@ -100,33 +218,83 @@ def loss_scale(opt_state: Any) -> jax.Array:
     raise ValueError(
         f"`loss_scale(opt_state)` needs exactly one dynamic_loss_scale state "
         f"in the optimizer state, found {what}: build the optimizer with "
-        f"optaxclip.dynamic_loss_scale() (once), e.g. optax.chain("
-        f"optaxclip.dynamic_loss_scale(), optax.adamw(...))")
+        f"optaxclip.dynamic_loss_scale() (once), e.g. "
+        f"optaxclip.dynamic_loss_scale(optax.adamw(...))")
+  check_placement(opt_state, "loss_scale(opt_state)")
   return found[0].scale
 
 
-def dynamic_loss_scale(initial_scale: Any = 2.0**15, *, period: Any = 2000,
-                       factor: Any = 2.0, min_scale: Any = 1.0,
-                       axis_name: Any = None) -> optax.GradientTransformation:
+def unscale(updates: PyTree, state: LossScaleState, *,
+            axis_name: Any = None) -> tuple[PyTree, jax.Array]:
+  """The updates divided by the scale (zeros on an overflow), and whether
+  they were finite."""
+  # A multiply by 1/scale: exact for powers of two, and each leaf keeps its
+  # dtype (half precision is unscaled in float32 and rounded once).
+  unscaled = _norm_clipping.scale_leaves(updates, 1 / state.scale)
+  # Judged after unscaling: that is what the optimizer would see.
+  finite = _norms.all_finite(unscaled, axis_name=axis_name)
+  # Zeros rather than Inf/NaN: nothing after the loss scaling sees them.
+  return _tree.map_clippable(
+      lambda u: jnp.where(finite, u, jnp.zeros_like(u)), unscaled), finite
+
+
+def adjust(state: LossScaleState, finite: jax.Array, *, period: Any,
+           factor: Any, min_scale: Any) -> LossScaleState:
+  """The state after one step: back off on an overflow, grow after
+  ``period`` finite steps in a row (unless that would overflow float32)."""
+  scale = state.scale
+  factor = jnp.asarray(factor, jnp.float32)
+  grown = scale * factor
+  grow = state.good_steps + 1 >= period
+  increment = _stats.increment
+  new_scale = jnp.where(
+      finite,
+      jnp.where(grow & jnp.isfinite(grown), grown, scale),
+      jnp.maximum(jnp.asarray(min_scale, jnp.float32), scale / factor))
+  return LossScaleState(
+      scale=new_scale.astype(jnp.float32),
+      good_steps=jnp.where(finite & ~grow, increment(state.good_steps),
+                           jnp.zeros([], jnp.int32)),
+      count=increment(state.count),
+      overflow_count=jnp.where(finite, state.overflow_count,
+                               increment(state.overflow_count)))
+
+
+def _is_transform(x: Any) -> bool:
+  return hasattr(x, "init") and hasattr(x, "update")
+
+
+def dynamic_loss_scale(
+    initial_scale: Any = 2.0**15,  # a number, or the optimizer (as `inner`)
+    *, period: Any = 2000, factor: Any = 2.0, min_scale: Any = 1.0,
+    axis_name: Any = None, inner: optax.GradientTransformation | None = None,
+) -> optax.GradientTransformationExtraArgs:
   """Unscales loss-scaled gradients and adapts the loss scale (float16).
 
   Multiply the loss by ``loss_scale(opt_state)`` before ``jax.grad``; this
-  transform, at the head of the chain, divides the gradients by that scale.
-  When the unscaled gradients hold NaN or Inf (an overflow), the scale is
-  divided by ``factor`` (not below ``min_scale``) and the non-finite
-  gradients are passed on, so that a ``skip_step`` guard skips the
-  optimizer's step. After ``period`` finite steps in a row the scale is
-  multiplied by ``factor`` (unless that would overflow float32). Typical
-  use, where an overflow skips the whole chain (see the module docstring)::
+  transform divides the gradients by that scale. When the unscaled gradients
+  hold NaN or Inf (an overflow), the scale is divided by ``factor`` (not
+  below ``min_scale``); after ``period`` finite steps in a row it is
+  multiplied by ``factor`` (unless that would overflow float32).
 
-    tx = skip_step(optax.chain(dynamic_loss_scale(), optax.adamw(1e-3)))
+  With ``inner`` (or an optimizer as the first argument), it wraps ``inner``:
+  the unscaled gradients go to ``inner`` (extra arguments too), and on an
+  overflow the updates are zeros and ``inner``'s state stays bit for bit as
+  it was, while the scale's back-off sticks. Clippers go inside::
+
+    tx = dynamic_loss_scale(optax.chain(clip_by_global_norm(1.0), optax.adamw(1e-3)))
     scale = loss_scale(opt_state)
     grads = jax.grad(lambda p: loss_fn(p) * scale.astype(jnp.float16))(params)
     updates, opt_state = tx.update(grads, opt_state, params)
 
+  Without ``inner`` it is a chain element, first in the chain: an overflow
+  passes zeros on, so what follows stays finite but takes a zero-gradient
+  step (see the module docstring).
+
   Args:
     initial_scale: the first loss scale (a number > 0). Powers of two keep
-      the unscaling exact.
+      the unscaling exact. An optax transformation here is taken as
+      ``inner`` (the scale is then 2**15).
     period: finite steps in a row after which the scale grows (an int >= 1).
     factor: what the scale is multiplied (grow) or divided (overflow) by (a
       number >= 1; 1 keeps the scale fixed, overflow steps still count).
@@ -134,26 +302,43 @@ def dynamic_loss_scale(initial_scale: Any = 2.0**15, *, period: Any = 2000,
       most ``initial_scale``).
     axis_name: under ``shard_map``/``pmap``, the axis name(s) the gradients
       are split over: every device then agrees on the overflow.
+    inner: the optimizer whose steps an overflow drops, or None.
 
   Returns:
-    An ``optax.GradientTransformation`` whose state is a ``LossScaleState``.
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    ``LossScaleState`` (a ``LossScaleWrapperState`` with ``inner``).
 
   Examples:
     >>> import jax.numpy as jnp
+    >>> import optax
     >>> from optaxclip import dynamic_loss_scale
     >>> tx = dynamic_loss_scale(2.0**15, period=2)
     >>> state = tx.init({"w": jnp.zeros(2)})
     >>> grads, state = tx.update({"w": jnp.array([2.0**15, 2.0**16])}, state)
     >>> grads["w"], state.scale
     (Array([1., 2.], dtype=float32), Array(32768., dtype=float32))
-    >>> _, state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, state)
-    >>> state.scale, state.overflow_count  # overflow: backed off
-    (Array(16384., dtype=float32), Array(1, dtype=int32))
+    >>> grads, state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, state)
+    >>> grads["w"], state.scale, state.overflow_count  # overflow: backed off
+    (Array([0., 0.], dtype=float32), Array(16384., dtype=float32), Array(1, dtype=int32))
+    >>> tx = dynamic_loss_scale(optax.adam(0.1))  # wraps the optimizer
+    >>> params = {"w": jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, state, params)
+    >>> updates["w"], state.loss_scale.scale, state.inner_state[0].count
+    (Array([0., 0.], dtype=float32), Array(16384., dtype=float32), Array(0, dtype=int32))
 
   References:
     Micikevicius et al., [Mixed Precision Training](https://arxiv.org/abs/1710.03740), 2018.
   """
   fn = "dynamic_loss_scale"
+  if _is_transform(initial_scale):
+    if inner is not None:
+      raise TypeError(f"`{fn}(initial_scale=...)` is an optax transformation "
+                      f"and `inner` is given too: pass the optimizer once")
+    initial_scale, inner = 2.0**15, initial_scale
+  if inner is not None and not _is_transform(inner):
+    raise TypeError(f"`{fn}(inner=...)` must be an optax GradientTransformation "
+                    f"or None, got {inner!r}")
   _validation.check_positive(fn, "initial_scale", initial_scale)
   _validation.check_integer(fn, "period", period, 1)
   _validation.check_nonnegative(fn, "factor", factor)
@@ -167,36 +352,34 @@ def dynamic_loss_scale(initial_scale: Any = 2.0**15, *, period: Any = 2000,
         f"`{fn}(min_scale=...)` must be <= initial_scale, got min_scale="
         f"{min_scale!r} > initial_scale={initial_scale!r}")
   _validation.check_axis_name(fn, axis_name)
+  schedule = {"period": period, "factor": factor, "min_scale": min_scale}
+  wrapped = None if inner is None else optax.with_extra_args_support(inner)
 
   def init_fn(params):
-    del params
-    return LossScaleState(scale=jnp.asarray(initial_scale, jnp.float32),
-                          **_stats.zeros(jnp.int32, "good_steps", "count",
-                                         "overflow_count"))
+    # A copy: the state must not alias the user's (or an injected) array,
+    # or donating the state would delete it, or donate one buffer twice.
+    state = LossScaleState(scale=jnp.array(initial_scale, jnp.float32, copy=True),
+                           **_stats.zeros(jnp.int32, "good_steps", "count",
+                                          "overflow_count"))
+    if wrapped is None:
+      return state
+    inner_state = wrapped.init(params)
+    check_placement(inner_state, f"{fn}(inner=...).init", "inner_state")
+    return LossScaleWrapperState(state, inner_state)
 
-  def update_fn(updates, state, params=None):
-    del params
-    scale = state.scale
-    # A multiply by 1/scale: exact for powers of two, and each leaf keeps its
-    # dtype (half precision is unscaled in float32 and rounded once).
-    unscaled = _norm_clipping.scale_leaves(updates, 1 / scale)
-    # Judged after unscaling: that is what the optimizer would see.
-    finite = _norms.all_finite(unscaled, axis_name=axis_name)
-    factor_ = jnp.asarray(factor, jnp.float32)
-    grown = scale * factor_
-    grow = state.good_steps + 1 >= period
-    increment = _stats.increment
-    new_scale = jnp.where(
-        finite,
-        jnp.where(grow & jnp.isfinite(grown), grown, scale),
-        jnp.maximum(jnp.asarray(min_scale, jnp.float32), scale / factor_))
-    new_state = LossScaleState(
-        scale=new_scale.astype(jnp.float32),
-        good_steps=jnp.where(finite & ~grow, increment(state.good_steps),
-                             jnp.zeros([], jnp.int32)),
-        count=increment(state.count),
-        overflow_count=jnp.where(finite, state.overflow_count,
-                                 increment(state.overflow_count)))
-    return unscaled, new_state
+  def update_fn(updates, state, params=None, **extra_args):
+    scale_state = state if wrapped is None else state.loss_scale
+    unscaled, finite = unscale(updates, scale_state, axis_name=axis_name)
+    scale_state = adjust(scale_state, finite, **schedule)
+    if wrapped is None:
+      return unscaled, scale_state
+    new_updates, new_inner = wrapped.update(unscaled, state.inner_state,
+                                            params, **extra_args)
+    # Selected on the device (no host sync): an overflow drops the step.
+    new_updates = jax.tree.map(
+        lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates)
+    new_inner = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                             new_inner, state.inner_state)
+    return new_updates, LossScaleWrapperState(scale_state, new_inner)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

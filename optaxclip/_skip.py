@@ -59,7 +59,7 @@ def _summarize(stats: SkipStats) -> dict[str, jax.Array]:
           "skip_rate": rate.astype(jnp.float32)}
 
 
-_stats.register(SkipStats, "skip", _summarize)
+_stats.register(SkipStats, "skip", _summarize, clips=False)
 
 
 def _init_stats() -> SkipStats:
@@ -119,6 +119,13 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
   ``skip_step(optax.chain(dynamic_loss_scale(), optax.adamw(1e-3)))``), an
   overflow skips the whole chain, the loss-scale state still advances (its
   back-off sticks), and the norm is taken of the unscaled gradients.
+  ``init`` raises when an optaxclip clipper in ``inner`` comes before the
+  ``dynamic_loss_scale``.
+
+  Around ``optax.MultiSteps`` (``skip_step(optax.MultiSteps(...))``) it
+  judges each micro-batch and a skipped one never reaches the accumulator.
+  Not inside: a NaN micro-batch would stay in MultiSteps' accumulator for
+  good (there, use ``should_skip_update_fn=optaxclip.microbatch_guard()``).
 
   A permanent rise of the norm level would be skipped for ever, since
   skipped steps do not move the statistics: watch ``skip/skip_rate`` in
@@ -182,7 +189,10 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
-    return SkipState(stats=_init_stats(), inner_state=inner.init(params))
+    inner_state = inner.init(params)
+    _loss_scale.check_placement(inner_state, f"{fn}(inner=...).init",
+                                "inner_state")
+    return SkipState(stats=_init_stats(), inner_state=inner_state)
 
   def update_fn(updates, state, params=None, **extra_args):
     stats = state.stats

@@ -17,14 +17,25 @@ import jax.numpy as jnp
 
 Summary = Callable[[Any], dict[str, jax.Array]]
 _REGISTRY: dict[type, tuple[str, Summary]] = {}
+_CLIPPERS: set[type] = set()
 
 
-def register(state_type: type, name: str, summary: Summary | None = None) -> None:
+def register(state_type: type, name: str, summary: Summary | None = None, *,
+             clips: bool = True) -> None:
   """Makes ``stats`` report states of ``state_type`` under ``name``.
 
   ``summary`` maps a state to its statistics; by default every field.
+  ``clips``: the transform rescales gradients by what it measures, so it must
+  see unscaled ones (``dynamic_loss_scale`` checks that none comes first).
   """
   _REGISTRY[state_type] = (name, summary or (lambda state: state._asdict()))
+  if clips:
+    _CLIPPERS.add(state_type)
+
+
+def is_clipper_state(x: Any) -> bool:
+  """Whether ``x`` is the state of a registered transform that clips."""
+  return type(x) in _CLIPPERS
 
 
 def _is_registered(x: Any) -> bool:

@@ -131,21 +131,60 @@ def test_dtype_and_state_types_are_stable(name, dtype):
                    for x in jax.tree.leaves(new_state))
 
 
+def buffers(tree) -> list[int]:
+  return [x.unsafe_buffer_pointer() for x in jax.tree.leaves(tree)
+          if isinstance(x, jax.Array)]
+
+
+def users_arrays(case: Case) -> dict[str, jax.Array]:
+  """The numeric hyperparameters as the user's own (strong) JAX arrays."""
+  return {k: jnp.array(v, jnp.float32 if isinstance(v, float) else jnp.int32)
+          for k, v in case.kwargs.items() if isinstance(v, (int, float))}
+
+
+@pytest.mark.parametrize("inject", [False, True])
 @pytest.mark.parametrize("name", NAMES)
-def test_fresh_state_can_be_donated(name):
+def test_fresh_state_can_be_donated(name, inject):
   # A training step usually donates the optimizer state to jit. XLA refuses
   # to donate one buffer twice, so no two fields of a fresh state may share
-  # an array (as `zero = jnp.zeros(...)` for several counters would).
-  tx = optax.chain(CASES[name].make(), optax.sgd(0.1))
+  # an array (as `zero = jnp.zeros(...)` for several counters would, or a
+  # field holding the value inject_hyperparams keeps in `hyperparams`).
+  case = CASES[name]
+  tx = optax.inject_hyperparams(case.factory)(**case.kwargs) if inject \
+      else case.make()
+  tx = optax.chain(tx, optax.sgd(0.1))
   grads = tree_like()
   state = tx.init(grads)
-  leaves = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
-  assert len({id(x) for x in leaves}) == len(leaves)
+  leaves = buffers(state)
+  assert len(set(leaves)) == len(leaves)
   update = jax.jit(tx.update, donate_argnums=1)
   for _ in range(2):
     _, state = update(grads, state, PARAMS)
   assert all(np.isfinite(np.asarray(x, np.float64)).all()
              for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_donated_state_leaves_the_users_hyperparameters_alive(name):
+  """No state holds a hyperparameter array the user passed in: donating the
+  state would delete the user's array. Under inject_hyperparams, optax itself
+  keeps the user's array in ``hyperparams``; the transform's own state must
+  still not share its buffer."""
+  case = CASES[name]
+  users = users_arrays(case)
+  grads = tree_like()
+  tx = case.make(**users)
+  state = tx.init(grads)
+  assert not set(buffers(state)) & set(buffers(users))
+  update = jax.jit(tx.update, donate_argnums=1)
+  for _ in range(2):
+    _, state = update(grads, state, PARAMS)
+  assert not any(x.is_deleted() for x in users.values())
+  injected = optax.inject_hyperparams(case.factory)(**{**case.kwargs, **users})
+  state = injected.init(grads)
+  assert not set(buffers(state.inner_state)) & set(buffers(users))
+  for _ in range(2):
+    _, state = jax.jit(injected.update, donate_argnums=1)(grads, state, PARAMS)
 
 
 @pytest.mark.parametrize("name", NAMES)
