@@ -18,6 +18,8 @@ from optaxclip._loss_scale import LossScaleState as LossScaleState
 from optaxclip._loss_scale import LossScaleWrapperState as LossScaleWrapperState
 from optaxclip._loss_scale import dynamic_loss_scale as dynamic_loss_scale
 from optaxclip._loss_scale import loss_scale as loss_scale
+from optaxclip._microbatch import MicrobatchGuardState as MicrobatchGuardState
+from optaxclip._microbatch import microbatch_guard as microbatch_guard
 from optaxclip._nonfinite import NonFiniteGradientError as NonFiniteGradientError
 from optaxclip._norm_clipping import ClipState as ClipState
 from optaxclip._norm_clipping import clip_by_global_norm as clip_by_global_norm
@@ -40,6 +42,7 @@ __all__ = [
     "ClipState",
     "LossScaleState",
     "LossScaleWrapperState",
+    "MicrobatchGuardState",
     "NonFiniteGradientError",
     "SkipState",
     "SkipStats",
@@ -54,6 +57,7 @@ __all__ = [
     "dynamic_loss_scale",
     "functional",
     "loss_scale",
+    "microbatch_guard",
     "skip_step",
     "stats",
     "zclip",

@@ -194,6 +194,35 @@ def test_stats_report_skip_and_inner_states():
   assert all(v.shape == () for v in found.values())
 
 
+def test_skip_step_around_multisteps_recovers_from_bad_microbatches():
+  """skip_step(MultiSteps(...)) judges each micro-batch and rolls the whole
+  MultiSteps state back on a bad one: training goes on as if it never came
+  (MultiSteps(skip_step(...)) would keep the NaN in its accumulator)."""
+  rng = np.random.default_rng(2)
+  grads = {"a": rng.normal(size=(12, 8)), "b": rng.normal(size=(12, 4, 3))}
+  bad = {2: math.nan, 5: math.inf, 9: 1e3}  # NaN, Inf, a norm spike
+  for t, what in bad.items():
+    if math.isfinite(what):
+      grads["a"][t] *= what
+    else:
+      grads["a"][t, 0] = what
+  grads = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32), grads)
+
+  def optimizer():
+    return optax.MultiSteps(optax.chain(oc.clip_by_global_norm(1.0),
+                                        optax.adam(0.1)), every_k_schedule=3)
+
+  params, _, states = run_scan(skip_step(optimizer(), max_norm=100.0), grads)
+  keep = np.array([t not in bad for t in range(12)])
+  reference, _, _ = run_scan(optimizer(), jax.tree.map(lambda g: g[keep], grads))
+  assert all(np.all(np.isfinite(p)) for p in jax.tree.leaves(params))
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7),
+               params, reference)
+  assert int(states.inner_state.gradient_step[-1]) == 3  # every later window
+  assert int(states.stats.nonfinite_count[-1]) == 2
+  assert int(states.stats.max_norm_count[-1]) == 1
+
+
 def test_shard_map_devices_agree():
   """Split gradients: the global norm (not a shard's) decides, and a NaN on
   one device skips the step on every device."""
