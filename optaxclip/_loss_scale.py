@@ -31,8 +31,10 @@ The chain form, ``optax.chain(dynamic_loss_scale(), optax.adamw(...))``,
 passes zeros on after an overflow: the params stay finite, but what follows
 takes a step with zero gradients (Adam's moments decay, its step count and
 weight decay advance; ``skip_step`` and the adaptive clippers there record a
-norm of 0 and skip nothing). Only the wrapper, or ``skip_step`` around the
-chain, leaves the optimizer's state untouched.
+norm of 0 and skip nothing: ``optax.chain(dynamic_loss_scale(),
+skip_step(adamw))`` does not skip an overflow, write
+``dynamic_loss_scale(skip_step(adamw))``). Only the wrapper, or ``skip_step``
+around the chain, leaves the optimizer's state untouched.
 
 Clippers must see unscaled gradients: after the loss scaling in a chain, or
 inside its ``inner``. ``loss_scale(opt_state)``, and the ``init`` of
