@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax import shard_map
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -215,6 +217,43 @@ def test_wrapper_drops_overflowed_steps_for_any_clipper_inside(clipper):
   assert int(state.loss_scale.overflow_count) == 3
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
                params, reference_run(inner(), scale=4.0))
+
+
+WRAPPED = dynamic_loss_scale(2.0**10, inner=optax.adam(0.1), period=2)
+
+
+@jax.jit
+def wrapped_step(params, state, overflow):
+  grads = jax.tree.map(lambda p: (p - 0.5) * loss_scale(state), params)
+  grads["b"] = jnp.where(overflow, grads["b"].at[0].set(jnp.nan), grads["b"])
+  updates, state = WRAPPED.update(grads, state, params)
+  return optax.apply_updates(params, updates), state
+
+
+@jax.jit
+def adam_step(params, state):
+  grads = jax.tree.map(lambda p: p - 0.5, params)
+  updates, state = optax.adam(0.1).update(grads, state, params)
+  return optax.apply_updates(params, updates), state
+
+
+@settings(max_examples=25, deadline=None)
+@given(overflows=st.lists(st.booleans(), min_size=1, max_size=12),
+       exponent=st.integers(0, 40))
+def test_wrapper_is_the_optimizer_on_the_finite_steps(overflows, exponent):
+  """For any pattern of overflows and any power-of-two scale: the wrapped
+  Adam is Adam run on the finite steps only, and every overflow backs off."""
+  state = WRAPPED.init(PARAMS)
+  state = state._replace(loss_scale=state.loss_scale._replace(
+      scale=jnp.float32(2.0**exponent)))
+  params, ref, ref_state = PARAMS, PARAMS, optax.adam(0.1).init(PARAMS)
+  for overflow in overflows:
+    params, state = wrapped_step(params, state, overflow)
+    if not overflow:
+      ref, ref_state = adam_step(ref, ref_state)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+               (params, state.inner_state), (ref, ref_state))
+  assert int(state.loss_scale.overflow_count) == sum(overflows)
 
 
 @pytest.mark.parametrize("clipper", [None, "clip_by_global_norm_raise", "zclip",
