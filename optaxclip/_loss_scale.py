@@ -124,6 +124,12 @@ def dynamic_loss_scale(initial_scale: Any = 2.0**15, *, period: Any = 2000,
     grads = jax.grad(lambda p: loss_fn(p) * scale.astype(jnp.float16))(params)
     updates, opt_state = tx.update(grads, opt_state, params)
 
+  Injected with ``optax.inject_hyperparams``, the hyperparameters are
+  checked when ``init`` runs eagerly. Traced (a jitted ``init``, or an update
+  after a change of the state's hyperparameters), an ``initial_scale`` or
+  ``min_scale`` that is not a finite number > 0 acts as 1, and ``factor`` and
+  ``period`` are clamped to at least 1 (NaN as 1).
+
   Args:
     initial_scale: the first loss scale (a number > 0). Powers of two keep
       the unscaling exact.
@@ -154,14 +160,13 @@ def dynamic_loss_scale(initial_scale: Any = 2.0**15, *, period: Any = 2000,
     Micikevicius et al., [Mixed Precision Training](https://arxiv.org/abs/1710.03740), 2018.
   """
   fn = "dynamic_loss_scale"
-  _validation.check_positive(fn, "initial_scale", initial_scale)
-  _validation.check_integer(fn, "period", period, 1)
-  _validation.check_nonnegative(fn, "factor", factor)
-  if not isinstance(factor, jax.Array) and float(factor) < 1:
-    raise ValueError(f"`{fn}(factor=...)` must be a finite number >= 1, got "
-                     f"{factor!r}")
-  _validation.check_positive(fn, "min_scale", min_scale)
-  if not any(isinstance(v, jax.Array) for v in (initial_scale, min_scale)) \
+  initial_scale = _validation.check_positive(fn, "initial_scale",
+                                             initial_scale, traced=1.0)
+  period = _validation.check_integer(fn, "period", period, 1)
+  factor = _validation.check_at_least(fn, "factor", factor, 1)
+  min_scale = _validation.check_positive(fn, "min_scale", min_scale,
+                                         traced=1.0)
+  if not any(map(_validation.is_traced, (initial_scale, min_scale))) \
       and float(min_scale) > float(initial_scale):
     raise ValueError(
         f"`{fn}(min_scale=...)` must be <= initial_scale, got min_scale="
@@ -176,6 +181,7 @@ def dynamic_loss_scale(initial_scale: Any = 2.0**15, *, period: Any = 2000,
 
   def update_fn(updates, state, params=None):
     del params
+    _validation.check_update(fn, updates, state, LossScaleState)
     scale = state.scale
     # A multiply by 1/scale: exact for powers of two, and each leaf keeps its
     # dtype (half precision is unscaled in float32 and rounded once).
