@@ -75,8 +75,15 @@ def adagc(*, lambda_abs: Any = 1.0, lambda_rel: Any = 1.05, beta: Any = 0.98,
   steps from 1 and test ``step < warmup_steps``, as ``pytorch_optimizer``
   does, warm up one step fewer).
 
+  Injected with ``optax.inject_hyperparams``, the hyperparameters are
+  checked when ``init`` runs eagerly; traced (a jitted update after a change
+  of the state's hyperparameters), ``beta`` is clamped to [0, 1],
+  ``warmup_steps`` to at least 1, and a negative ``lambda_abs``,
+  ``lambda_rel`` or ``eps`` acts as 0 (NaN as 0 for all of them).
+
   Args:
-    lambda_abs: the global threshold during warm-up (>= 0).
+    lambda_abs: the global threshold during warm-up (>= 0; ``inf``: no
+      clipping in warm-up).
     lambda_rel: the per-tensor threshold relative to ``gamma`` (>= 0).
     beta: EMA smoothing factor for ``gamma`` in [0, 1] (weight of the past).
     warmup_steps: how many steps clip globally (an int >= 1; may be
@@ -113,12 +120,13 @@ def adagc(*, lambda_abs: Any = 1.0, lambda_rel: Any = 1.05, beta: Any = 0.98,
     Gradient Clipping](https://arxiv.org/abs/2502.11034), 2025.
   """
   fn = "adagc"
-  _validation.check_nonnegative(fn, "lambda_abs", lambda_abs)
-  _validation.check_nonnegative(fn, "lambda_rel", lambda_rel)
-  _validation.check_unit_interval(fn, "beta", beta)
-  _validation.check_integer(fn, "warmup_steps", warmup_steps, 1)
-  _validation.check_nonnegative(fn, "eps", eps)
-  _validation.check_axis_name(fn, axis_name)
+  lambda_abs = _validation.check_nonnegative(fn, "lambda_abs", lambda_abs,
+                                             allow_inf=True)
+  lambda_rel = _validation.check_nonnegative(fn, "lambda_rel", lambda_rel)
+  beta = _validation.check_unit_interval(fn, "beta", beta)
+  warmup_steps = _validation.check_integer(fn, "warmup_steps", warmup_steps, 1)
+  eps = _validation.check_nonnegative(fn, "eps", eps)
+  _validation.check_specs(fn, specs, axis_name)
 
   def init_fn(params):
     count = len(_tree.clippable_leaves(params))
@@ -130,6 +138,7 @@ def adagc(*, lambda_abs: Any = 1.0, lambda_rel: Any = 1.05, beta: Any = 0.98,
 
   def update_fn(updates, state, params=None):
     del params
+    _validation.check_update(fn, updates, state, AdaGCState)
     reduction = _norms.make_reduction(fn, updates, axis_name, specs)
     leaves = _tree.clippable_leaves(updates)
     if len(leaves) != state.gamma.shape[0]:

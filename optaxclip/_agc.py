@@ -192,14 +192,10 @@ def _unit_norms(leaves: list[jax.Array], layout: _Layout) -> list[jax.Array]:
 def _clip(fn: str, updates: PyTree, params: PyTree, clipping: Any, eps: Any,
           axis: Any, axis_name: Any, specs: PyTree):
   """The clipped updates and ``(clipped units, units, min factor, finite)``."""
+  weights = _paired_params(fn, updates, params)
   layout = _layout(fn, updates, axis, axis_name, specs)
   axis_names = layout.counting.axis_names
   grads = _tree.clippable_leaves(updates)
-  weights = _tree.clippable_leaves(params)
-  if len(weights) != len(grads):
-    raise ValueError(
-        f"`{fn}`: the params have {len(weights)} floating leaves but the "
-        f"updates have {len(grads)}; they must have the same structure")
   if not grads:
     one, zero = jnp.ones([], jnp.float32), jnp.zeros([], jnp.float32)
     return updates, (zero, zero, one, jnp.bool_(True))
@@ -216,7 +212,7 @@ def _clip(fn: str, updates: PyTree, params: PyTree, clipping: Any, eps: Any,
   leaves, treedef = jax.tree.flatten(updates)
   factor_of = iter(factors)
   clipped = [(x * next(factor_of)).astype(x.dtype) if _tree.is_clippable(x)
-             else x for x in leaves]
+             else x for x in map(_tree.as_array, leaves)]
   # Statistics, each unit counted once across devices.
   hits = jnp.stack([jnp.sum(f < 1, dtype=jnp.float32) for f in factors])
   units = jnp.asarray([f.size for f in factors], jnp.float32)
@@ -232,15 +228,54 @@ def _clip(fn: str, updates: PyTree, params: PyTree, clipping: Any, eps: Any,
 
 
 def _check(fn: str, clipping: Any, eps: Any, axis: Any, axis_name: Any,
-           specs: PyTree) -> tuple[int, ...] | None:
-  _validation.check_nonnegative(fn, "clipping", clipping)
-  _validation.check_nonnegative(fn, "eps", eps)
+           specs: PyTree) -> tuple[Any, Any, tuple[int, ...] | None]:
+  """``(clipping, eps, axes)``, checked (clamped when traced)."""
+  clipping = _validation.check_nonnegative(fn, "clipping", clipping)
+  eps = _validation.check_nonnegative(fn, "eps", eps)
   axes = _check_axis(fn, axis)
   if _validation.check_axis_name(fn, axis_name) and specs is None:
     raise ValueError(
         f"`{fn}(axis_name=...)` needs `specs`: whether a unit's norm is summed "
         f"across devices depends on which dimensions of each leaf are split")
-  return axes
+  _validation.check_specs(fn, specs, axis_name)
+  return clipping, eps, axes
+
+
+def _paired_params(fn: str, updates: PyTree, params: PyTree) -> list[Any]:
+  """The param leaf of each clippable update leaf, or a ValueError.
+
+  Units are paired by tree path, so the trees must have one structure (as
+  ``jax.tree.map`` requires in Optax's AGC) and paired leaves one shape.
+  """
+  _validation.check_tree(fn, "updates", updates)
+  _validation.check_tree(fn, "params", params)
+  with_paths, treedef = jax.tree_util.tree_flatten_with_path(updates)
+  param_paths, param_treedef = jax.tree_util.tree_flatten_with_path(params)
+  if treedef != param_treedef:
+    keys = {jax.tree_util.keystr(path) for path, _ in with_paths}
+    param_keys = {jax.tree_util.keystr(path) for path, _ in param_paths}
+    where = "; ".join(
+        f"{what}: {', '.join(sorted(paths)[:5])}"
+        for what, paths in (("only in updates", keys - param_keys),
+                            ("only in params", param_keys - keys)) if paths)
+    raise ValueError(
+        f"`{fn}`: params and updates must have the same tree structure, unit "
+        f"by unit ({where or f'{param_treedef} != {treedef}'}); pass the "
+        f"params that the updates are for")
+  weights = []
+  for (path, x), (_, w) in zip(with_paths, param_paths):
+    if not _tree.is_clippable(x):
+      continue
+    x, w = _tree.as_array(x), _tree.as_array(w)
+    if not _tree.is_clippable(w) or w.shape != x.shape:
+      what = (f"has shape {tuple(w.shape)}" if _tree.is_clippable(w)
+              else f"is {w!r:.40}, not a floating array")
+      raise ValueError(
+          f"`{fn}`: leaf {jax.tree_util.keystr(path)} of the updates has shape "
+          f"{tuple(x.shape)} but its param {what}; pass the params that the "
+          f"updates are for")
+    weights.append(w)
+  return weights
 
 
 def adaptive_grad_clip_fn(updates: PyTree, params: PyTree, clipping: Any, *,
@@ -256,10 +291,12 @@ def adaptive_grad_clip_fn(updates: PyTree, params: PyTree, clipping: Any, *,
 
   Args:
     updates: a pytree of gradients.
-    params: the parameters, with the structure of ``updates``.
+    params: the parameters, with the structure and leaf shapes of
+      ``updates`` (a ValueError names the first leaf that differs).
     clipping: the largest ratio of gradient norm to parameter norm (>= 0).
+      Traced (inside ``jit``), a negative or NaN value acts as 0.
     eps: the floor of the parameter norm, so zero-initialised parameters
-      can still move (>= 0).
+      can still move (>= 0; traced, a negative or NaN value acts as 0).
     axis: the axes one unit spans (an int or a tuple), for every leaf;
       None chooses them from each leaf's rank, as Optax does.
     axis_name: under ``shard_map``/``pmap``, the axis name(s) leaves are split
@@ -285,7 +322,7 @@ def adaptive_grad_clip_fn(updates: PyTree, params: PyTree, clipping: Any, *,
     Normalization](https://arxiv.org/abs/2102.06171), 2021.
   """
   fn = "adaptive_grad_clip"
-  axes = _check(fn, clipping, eps, axis, axis_name, specs)
+  clipping, eps, axes = _check(fn, clipping, eps, axis, axis_name, specs)
   clipped, _ = _clip(fn, updates, params, clipping, eps, axes, axis_name, specs)
   return clipped
 
@@ -299,8 +336,14 @@ def adaptive_grad_clip(clipping: Any, *, eps: Any = 1e-3, axis: Any = None,
   ``axis`` may be positional), with a state that counts the clipped units for
   logging (read it with ``optaxclip.stats``), float32 norms for
   half-precision leaves, finite norms for huge gradients, and ``shard_map``
-  support. ``update`` needs ``params``; a NaN or Inf gradient propagates, as
-  in Optax, and is counted in ``nonfinite_count``.
+  support. ``update`` needs ``params`` of the updates' structure and leaf
+  shapes (a ValueError names the leaves that differ); a NaN or Inf gradient
+  propagates, as in Optax, and is counted in ``nonfinite_count``.
+  ``state=None`` is taken as a fresh state.
+
+  Injected with ``optax.inject_hyperparams``, ``clipping`` and ``eps`` are
+  checked when ``init`` runs eagerly; traced (a jitted update after a change
+  of the state's hyperparameters), a negative or NaN value acts as 0.
 
   Args:
     clipping: the largest ratio of gradient norm to parameter norm (>= 0);
@@ -334,7 +377,7 @@ def adaptive_grad_clip(clipping: Any, *, eps: Any = 1e-3, axis: Any = None,
     Normalization](https://arxiv.org/abs/2102.06171), 2021.
   """
   fn = "adaptive_grad_clip"
-  axes = _check(fn, clipping, eps, axis, axis_name, specs)
+  clipping, eps, axes = _check(fn, clipping, eps, axis, axis_name, specs)
 
   def init_fn(params):
     del params
@@ -345,7 +388,10 @@ def adaptive_grad_clip(clipping: Any, *, eps: Any = 1e-3, axis: Any = None,
 
   def update_fn(updates, state, params=None):
     if params is None:
-      raise ValueError(optax_base.NO_PARAMS_MSG)
+      raise ValueError(f"`{fn}`: {optax_base.NO_PARAMS_MSG}")
+    if state is None:  # stateless use, as optax's AGC allows: a fresh state
+      state = init_fn(params)
+    _validation.check_state(fn, state, AGCState)
     clipped, (hits, units, smallest, finite) = _clip(
         fn, updates, params, clipping, eps, axes, axis_name, specs)
     new_state = AGCState(

@@ -73,14 +73,6 @@ def percentile_of_prefix(values: jax.Array, size: jax.Array,
   return jnp.where(size > 0, value, jnp.inf)
 
 
-def _check_percentile(fn: str, percentile: Any) -> None:
-  _validation.check_nonnegative(fn, "percentile", percentile)
-  if not isinstance(percentile, jax.Array) and float(percentile) > 100:
-    raise ValueError(
-        f"`{fn}(percentile=...)` must be a number in [0, 100], got "
-        f"{percentile!r}")
-
-
 def auto_clip(percentile: Any = 10.0, *, history: int = 1000,
               eps: Any = 1e-6, axis_name: Any = None,
               specs: PyTree = None) -> optax.GradientTransformation:
@@ -95,6 +87,11 @@ def auto_clip(percentile: Any = 10.0, *, history: int = 1000,
   ``step <= history``. A NaN or Inf norm propagates into the update, as in
   the reference, but is kept out of the history (it would poison every
   later percentile) and counted in ``nonfinite_count``.
+
+  Injected with ``optax.inject_hyperparams``, the hyperparameters are
+  checked when ``init`` runs eagerly; traced (a jitted update after a change
+  of the state's hyperparameters), ``percentile`` is clamped to [0, 100] and
+  a negative ``eps`` acts as 0 (NaN as 0 for both).
 
   Args:
     percentile: the percentile of past norms to clip to, in [0, 100]; the
@@ -129,10 +126,10 @@ def auto_clip(percentile: Any = 10.0, *, history: int = 1000,
     Separation Networks](https://arxiv.org/abs/2007.14469), 2020.
   """
   fn = "auto_clip"
-  _check_percentile(fn, percentile)
+  percentile = _validation.check_interval(fn, "percentile", percentile, 0, 100)
   size = _validation.check_buffer_size(fn, "history", history)
-  _validation.check_nonnegative(fn, "eps", eps)
-  _validation.check_axis_name(fn, axis_name)
+  eps = _validation.check_nonnegative(fn, "eps", eps)
+  _validation.check_specs(fn, specs, axis_name)
 
   def init_fn(params):
     del params
@@ -146,6 +143,7 @@ def auto_clip(percentile: Any = 10.0, *, history: int = 1000,
 
   def update_fn(updates, state, params=None):
     del params
+    _validation.check_update(fn, updates, state, AutoClipState)
     reduction = _norms.make_reduction(fn, updates, axis_name, specs)
     leaves = _tree.clippable_leaves(updates)
     norm = _norms.norm_of_leaves(leaves, 2, reduction).astype(jnp.float32)

@@ -293,6 +293,12 @@ def dynamic_loss_scale(
   passes zeros on, so what follows stays finite but takes a zero-gradient
   step (see the module docstring).
 
+  Injected with ``optax.inject_hyperparams``, the hyperparameters are
+  checked when ``init`` runs eagerly. Traced (a jitted ``init``, or an update
+  after a change of the state's hyperparameters), an ``initial_scale`` or
+  ``min_scale`` that is not a finite number > 0 acts as 1, and ``factor`` and
+  ``period`` are clamped to at least 1 (NaN as 1).
+
   Args:
     initial_scale: the first loss scale (a number > 0). Powers of two keep
       the unscaling exact. An optax transformation here is taken as
@@ -341,14 +347,13 @@ def dynamic_loss_scale(
   if inner is not None and not _is_transform(inner):
     raise TypeError(f"`{fn}(inner=...)` must be an optax GradientTransformation "
                     f"or None, got {inner!r}")
-  _validation.check_positive(fn, "initial_scale", initial_scale)
-  _validation.check_integer(fn, "period", period, 1)
-  _validation.check_nonnegative(fn, "factor", factor)
-  if not isinstance(factor, jax.Array) and float(factor) < 1:
-    raise ValueError(f"`{fn}(factor=...)` must be a finite number >= 1, got "
-                     f"{factor!r}")
-  _validation.check_positive(fn, "min_scale", min_scale)
-  if not any(isinstance(v, jax.Array) for v in (initial_scale, min_scale)) \
+  initial_scale = _validation.check_positive(fn, "initial_scale",
+                                             initial_scale, traced=1.0)
+  period = _validation.check_integer(fn, "period", period, 1)
+  factor = _validation.check_at_least(fn, "factor", factor, 1)
+  min_scale = _validation.check_positive(fn, "min_scale", min_scale,
+                                         traced=1.0)
+  if not any(map(_validation.is_traced, (initial_scale, min_scale))) \
       and float(min_scale) > float(initial_scale):
     raise ValueError(
         f"`{fn}(min_scale=...)` must be <= initial_scale, got min_scale="
@@ -370,6 +375,8 @@ def dynamic_loss_scale(
     return LossScaleWrapperState(state, inner_state)
 
   def update_fn(updates, state, params=None, **extra_args):
+    _validation.check_update(fn, updates, state, LossScaleState if wrapped is None
+                             else LossScaleWrapperState)
     scale_state = state if wrapped is None else state.loss_scale
     unscaled, finite = unscale(updates, scale_state, axis_name=axis_name)
     scale_state = adjust(scale_state, finite, **schedule)

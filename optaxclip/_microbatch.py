@@ -85,12 +85,14 @@ def microbatch_guard(*, max_norm: Any = None, ord: Any = 2,
   """
   fn = "microbatch_guard"
   if max_norm is not None:
-    _validation.check_nonnegative(fn, "max_norm", max_norm)
+    max_norm = _validation.check_nonnegative(fn, "max_norm", max_norm,
+                                             allow_inf=True)
   p = _validation.check_ord(fn, ord)
   _validation.check_axis_name(fn, axis_name)
 
   def should_skip(updates, gradient_step, params=None):
     del gradient_step, params
+    _validation.check_tree(fn, "updates", updates)
     reduction = _norms.make_reduction(fn, updates, axis_name, None)
     norm = _norms.norm_of_leaves(_tree.clippable_leaves(updates), p, reduction)
     skip = ~jnp.isfinite(norm)  # decided in the norm's own (wider) dtype

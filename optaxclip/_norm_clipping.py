@@ -6,6 +6,9 @@ with ``eps > 0`` (PyTorch/MindSpore) ``s = min(1, max_norm / (norm + eps))``.
 Both are one formula, ``s = max_norm / (norm + eps)`` unless
 ``norm + eps <= max_norm``, so ``eps`` may be injected and traced too.
 
+The transforms' ``update`` accepts ``state=None``, as Optax's stateless
+clippers do, and starts from a fresh state: the state only logs.
+
 A multiply by a scalar, rather than a ``select`` between the gradient and a
 clipped copy, lets XLA fuse the factor into whatever reads the update next
 (inside ``optax.chain(clip, adamw)``: the optimizer's own pass).
@@ -52,14 +55,19 @@ def clip_factor(norm: jax.Array, max_norm: Any, eps: Any) -> jax.Array:
   """The factor that brings ``norm`` down to ``max_norm`` (1 when below).
 
   A NaN norm gives a NaN factor and an infinite norm gives 0, as in the
-  reference libraries. The division only sees a positive denominator, so
-  gradients through the factor stay finite at zero norm. A factor below the
-  smallest normal float (a norm over ~1e38 times ``max_norm``) flushes to
-  zero on hardware that flushes subnormals: the update is then zero.
+  reference libraries; ``max_norm = inf`` (never clip) gives 1 for every
+  finite norm and NaN for an infinite one (``inf / inf``, as in PyTorch's
+  ``clip_grad_norm_`` and Optax). The division only sees a positive
+  denominator, so gradients through the factor stay finite at zero norm. A
+  factor below the smallest normal float (a norm over ~1e38 times
+  ``max_norm``) flushes to zero on hardware that flushes subnormals: the
+  update is then zero.
   """
   denominator = norm + jnp.asarray(eps, norm.dtype)
   max_norm = jnp.asarray(max_norm, norm.dtype)
-  unclipped = denominator <= max_norm  # False for NaN: NaN propagates
+  # False for NaN (NaN propagates) and for an Inf norm, even under an
+  # infinite max_norm.
+  unclipped = (denominator <= max_norm) & (denominator < jnp.inf)
   safe = jnp.where(unclipped, 1, denominator)
   return jnp.where(unclipped, 1, max_norm / safe)
 
@@ -81,7 +89,8 @@ def scale_leaves(tree: PyTree, factors: jax.Array) -> PyTree:
   out, index = [], 0
   for x in leaves:
     if _tree.is_clippable(x):
-      out.append(_scale_leaf(x, factors if factors.ndim == 0 else factors[index]))
+      out.append(_scale_leaf(_tree.as_array(x),
+                             factors if factors.ndim == 0 else factors[index]))
       index += 1
     else:
       out.append(x)
@@ -89,15 +98,18 @@ def scale_leaves(tree: PyTree, factors: jax.Array) -> PyTree:
 
 
 def _check_common(fn: str, max_norm: Any, ord: Any, eps: Any,
-                  ord_name: str = "ord") -> Any:
-  _validation.check_nonnegative(fn, "max_norm", max_norm)
-  _validation.check_nonnegative(fn, "eps", eps)
-  return _validation.check_ord(fn, ord, ord_name)
+                  ord_name: str = "ord") -> tuple[Any, Any, Any]:
+  """``(max_norm, p, eps)`` checked (clamped when traced: see ``_validation``)."""
+  return (_validation.check_nonnegative(fn, "max_norm", max_norm,
+                                        allow_inf=True),
+          _validation.check_ord(fn, ord, ord_name),
+          _validation.check_nonnegative(fn, "eps", eps))
 
 
 def _clip(fn: str, tree: PyTree, max_norm, p, eps, axis_name, specs, *,
           per_leaf: bool) -> tuple[PyTree, jax.Array, jax.Array]:
   """Clipped tree, norm(s) and factor(s), per leaf or global."""
+  _validation.check_tree(fn, "the tree", tree)
   reduction = _norms.make_reduction(fn, tree, axis_name, specs)
   leaves = _tree.clippable_leaves(tree)
   if per_leaf:
@@ -117,9 +129,14 @@ def clip_by_norm_fn(tree: PyTree, max_norm: Any, *, ord: Any = 2,
   ``norm(x)`` as in the module docstring (TensorFlow's ``tf.clip_by_norm`` with
   ``eps=0``, MindSpore's ``ops.clip_by_norm`` with ``eps=1e-6``).
 
+  Traced arguments (inside ``jit``) cannot be checked: a negative or NaN
+  ``max_norm`` then acts as 0 (the result is zero), a negative or NaN
+  ``eps`` as 0, and an ``ord`` that is not > 0 as 2.
+
   Args:
     tree: a pytree of arrays.
-    max_norm: the largest norm a leaf may keep (a number >= 0).
+    max_norm: the largest norm a leaf may keep (a number >= 0; ``inf``
+      never clips).
     ord: the norm order: any number ``p > 0`` or ``inf``.
     eps: added to the norm before dividing (0: exact threshold).
     axis_name: under ``shard_map``/``pmap``, the axis name(s) leaves are split
@@ -135,7 +152,8 @@ def clip_by_norm_fn(tree: PyTree, max_norm: Any, *, ord: Any = 2,
     >>> oc.functional.clip_by_norm([jnp.array([3.0, 4.0]), jnp.array([0.3, 0.4])], 1.0)
     [Array([0.6, 0.8], dtype=float32), Array([0.3, 0.4], dtype=float32)]
   """
-  p = _check_common("clip_by_norm", max_norm, ord, eps)
+  max_norm, p, eps = _check_common("clip_by_norm", max_norm, ord, eps)
+  _validation.check_specs("clip_by_norm", specs, axis_name)
   clipped, _, _ = _clip("clip_by_norm", tree, max_norm, p, eps, axis_name,
                         specs, per_leaf=True)
   return clipped
@@ -151,9 +169,14 @@ def clip_by_global_norm_fn(tree: PyTree, max_norm: Any, *, ord: Any = 2,
   TensorFlow's ``clip_by_global_norm``, ``eps=1e-6`` PyTorch's
   ``clip_grad_norm_``.
 
+  Traced arguments (inside ``jit``) cannot be checked: a negative or NaN
+  ``max_norm`` then acts as 0 (the result is zero), a negative or NaN
+  ``eps`` as 0, and an ``ord`` that is not > 0 as 2.
+
   Args:
     tree: a pytree of arrays.
-    max_norm: the largest global norm (a number >= 0).
+    max_norm: the largest global norm (a number >= 0; ``inf`` never clips,
+      the norm is still measured).
     ord: the norm order: any number ``p > 0`` or ``inf``.
     eps: added to the norm before dividing (0: exact threshold).
     axis_name: under ``shard_map``/``pmap``, the axis name(s) leaves are split
@@ -175,7 +198,8 @@ def clip_by_global_norm_fn(tree: PyTree, max_norm: Any, *, ord: Any = 2,
     >>> clipped
     [Array([2.7386127, 3.6514835], dtype=float32), Array([0.9128709, 1.8257419], dtype=float32)]
   """
-  p = _check_common("clip_by_global_norm", max_norm, ord, eps)
+  max_norm, p, eps = _check_common("clip_by_global_norm", max_norm, ord, eps)
+  _validation.check_specs("clip_by_global_norm", specs, axis_name)
   clipped, norm, _ = _clip("clip_by_global_norm", tree, max_norm, p, eps,
                            axis_name, specs, per_leaf=False)
   return clipped, norm
@@ -184,7 +208,7 @@ def clip_by_global_norm_fn(tree: PyTree, max_norm: Any, *, ord: Any = 2,
 def _norm_clipper(fn: str, max_norm, p, eps, axis_name, specs, nonfinite, *,
                   per_leaf: bool) -> optax.GradientTransformation:
   _validation.check_choice(fn, "nonfinite", nonfinite, _nonfinite.MODES)
-  _validation.check_axis_name(fn, axis_name)
+  _validation.check_specs(fn, specs, axis_name)
 
   def init_fn(params):
     del params
@@ -192,6 +216,9 @@ def _norm_clipper(fn: str, max_norm, p, eps, axis_name, specs, nonfinite, *,
 
   def update_fn(updates, state, params=None):
     del params
+    if state is None:  # stateless use, as optax's clippers allow: a fresh state
+      state = init_clip_state()
+    _validation.check_state(fn, state, ClipState)
     clipped, norms, factors = _clip(fn, updates, max_norm, p, eps, axis_name,
                                     specs, per_leaf=per_leaf)
     # Per-leaf clippers log their worst leaf: the largest norm (NaN if any).
@@ -219,8 +246,15 @@ def clip_by_norm(max_norm: Any, *, ord: Any = 2, eps: Any = 0.0,
   The transform form of ``optaxclip.functional.clip_by_norm``. Its state
   (``ClipState``) logs the largest leaf norm and the smallest factor.
 
+  Hyperparameters injected with ``optax.inject_hyperparams`` are checked
+  when ``init`` runs eagerly. Traced (a jitted update after a change of the
+  state's hyperparameters) they cannot be: a negative or NaN ``max_norm``
+  then acts as 0 (the update is zero), a negative or NaN ``eps`` as 0, and
+  an order that is not > 0 as 2.
+
   Args:
-    max_norm: the largest norm a leaf may keep (a number >= 0).
+    max_norm: the largest norm a leaf may keep (a number >= 0; ``inf``
+      never clips).
     ord: the norm order: any number ``p > 0`` or ``inf``.
     eps: added to each norm before dividing (0: exact threshold).
     axis_name: under ``shard_map``/``pmap``, the axis name(s) leaves are split
@@ -240,7 +274,7 @@ def clip_by_norm(max_norm: Any, *, ord: Any = 2, eps: Any = 0.0,
     >>> updates, state.norm
     ([Array([0.6, 0.8], dtype=float32)], Array(5., dtype=float32))
   """
-  p = _check_common("clip_by_norm", max_norm, ord, eps)
+  max_norm, p, eps = _check_common("clip_by_norm", max_norm, ord, eps)
   return _norm_clipper("clip_by_norm", max_norm, p, eps, axis_name, specs,
                        nonfinite, per_leaf=True)
 
@@ -256,10 +290,18 @@ def clip_by_global_norm(max_norm: Any, *, ord: Any = 2, eps: Any = 0.0,
   ``max_norm / norm``, as TensorFlow and PyTorch do, where Optax divides and
   then multiplies) whose state keeps the pre-clip norm for logging (read it
   with ``optaxclip.stats``), and which stays finite for finite gradients of
-  any magnitude and dtype.
+  any magnitude and dtype. Like Optax's, its ``update`` accepts
+  ``state=None`` (as a fresh state).
+
+  Hyperparameters injected with ``optax.inject_hyperparams`` are checked
+  when ``init`` runs eagerly. Traced (a jitted update after a change of the
+  state's hyperparameters) they cannot be: a negative or NaN ``max_norm``
+  then acts as 0 (the update is zero), a negative or NaN ``eps`` as 0, and
+  an order that is not > 0 as 2.
 
   Args:
-    max_norm: the largest global norm (a number >= 0).
+    max_norm: the largest global norm (a number >= 0; ``inf`` never clips,
+      the norm is still measured).
     ord: the norm order: any number ``p > 0`` or ``inf``.
     eps: added to the norm before dividing: 0 (Optax, TensorFlow) clips
       exactly at ``max_norm``; 1e-6 is PyTorch's ``clip_grad_norm_``.
@@ -289,7 +331,7 @@ def clip_by_global_norm(max_norm: Any, *, ord: Any = 2, eps: Any = 0.0,
     >>> oc.stats(state)["clip/norm"]
     Array(5., dtype=float32)
   """
-  p = _check_common("clip_by_global_norm", max_norm, ord, eps)
+  max_norm, p, eps = _check_common("clip_by_global_norm", max_norm, ord, eps)
   return _norm_clipper("clip_by_global_norm", max_norm, p, eps, axis_name,
                        specs, nonfinite, per_leaf=False)
 
@@ -305,8 +347,15 @@ def clip_grad_norm(max_norm: Any, norm_type: Any = 2.0, *,
   ``norm_type``-norm of all gradients together. The value PyTorch returns,
   the total norm, is kept in the state (``optaxclip.stats(state)``).
 
+  Hyperparameters injected with ``optax.inject_hyperparams`` are checked
+  when ``init`` runs eagerly. Traced (a jitted update after a change of the
+  state's hyperparameters) they cannot be: a negative or NaN ``max_norm``
+  then acts as 0 (the update is zero), and a ``norm_type`` that is not > 0
+  as 2.
+
   Args:
-    max_norm: the largest total norm (a number >= 0).
+    max_norm: the largest total norm (a number >= 0; ``inf`` never clips,
+      as in PyTorch: the norm is still kept).
     norm_type: the norm order: any number ``p > 0``, ``inf`` or ``"inf"``.
     error_if_nonfinite: raise when the total norm is NaN or Inf (PyTorch's
       flag), naming the leaves that hold them; otherwise they propagate.
@@ -326,10 +375,9 @@ def clip_grad_norm(max_norm: Any, norm_type: Any = 2.0, *,
     Array([-0.3065693,  0.3065693], dtype=float32)
   """
   fn = "clip_grad_norm"
-  if not isinstance(error_if_nonfinite, (bool, jnp.bool_)):
-    raise TypeError(f"`{fn}(error_if_nonfinite=...)` must be a bool, got "
-                    f"{error_if_nonfinite!r}")
-  p = _check_common(fn, max_norm, norm_type, PYTORCH_EPS, "norm_type")
+  _validation.check_bool(fn, "error_if_nonfinite", error_if_nonfinite)
+  max_norm, p, _ = _check_common(fn, max_norm, norm_type, PYTORCH_EPS,
+                                 "norm_type")
   nonfinite = "raise" if error_if_nonfinite else "propagate"
   return _norm_clipper(fn, max_norm, p, PYTORCH_EPS, axis_name, specs,
                        nonfinite, per_leaf=False)

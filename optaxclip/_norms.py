@@ -522,7 +522,8 @@ def global_norm(tree: PyTree, ord: float | str = 2, *, axis_name: Any = None,
 
   Args:
     tree: a pytree of arrays (for instance gradients).
-    ord: the norm order: any number ``p > 0`` or ``inf`` (``"inf"`` too).
+    ord: the norm order: any number ``p > 0`` or ``inf`` (``"inf"`` too);
+      traced (inside ``jit``), one that is not > 0 acts as 2.
     axis_name: under ``shard_map``/``pmap``, the mesh axis name (or tuple of
       names) the leaves are split over; the norm is then that of the whole,
       unsplit tree, computed with one all-reduce.
@@ -545,6 +546,7 @@ def global_norm(tree: PyTree, ord: float | str = 2, *, axis_name: Any = None,
     Array(3.1622778e+20, dtype=float32)
   """
   p = _validation.check_ord("global_norm", ord)
+  _validation.check_tree("global_norm", "tree", tree)
   reduction = make_reduction("global_norm", tree, axis_name, specs)
   return norm_of_leaves(_tree.clippable_leaves(tree), p, reduction)
 
@@ -567,6 +569,7 @@ def all_finite(tree: PyTree, *, axis_name: Any = None) -> jax.Array:
     Array(False, dtype=bool)
   """
   axis_names = _validation.check_axis_name("all_finite", axis_name)
+  _validation.check_tree("all_finite", "tree", tree)
   leaves = _tree.clippable_leaves(tree)
   if not leaves:
     return jnp.bool_(True)

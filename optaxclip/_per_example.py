@@ -15,7 +15,6 @@ norms)``: code written for optax's pair swaps with one more name,
 ``summed, num_clipped, norms = ...`` (or ``...[:2]``).
 """
 
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -36,11 +35,14 @@ class PerExampleClip(NamedTuple):
   #             tree of them, one per leaf)
 
 
-def _check_max_norm(fn: str, value: Any) -> None:
-  # inf is allowed, as in optax: no clipping, only the sum and the norms.
-  if isinstance(value, (int, float)) and value == math.inf:
-    return
-  _validation.check_nonnegative(fn, "max_norm", value)
+def _check(fn: str, grads: PyTree, max_norm: Any) -> Any:
+  """``max_norm`` checked (clamped when traced), and the leaves of ``grads``.
+
+  inf is allowed, as in optax: no clipping, only the sum and the norms.
+  """
+  _validation.check_tree(fn, "grads", grads)
+  return _validation.check_nonnegative(fn, "max_norm", max_norm,
+                                       allow_inf=True)
 
 
 def _batch_size(fn: str, leaves: list[jax.Array]) -> int:
@@ -66,7 +68,7 @@ def _factors(norms: jax.Array, max_norm: Any) -> jax.Array:
   the sum, where it belongs. ``c = norm = 0`` and ``c = norm = inf`` give 1.
   """
   factors = _norm_clipping.clip_factor(norms, max_norm, 0.0)
-  return jnp.where(jnp.isnan(norms), jnp.ones_like(factors), factors)
+  return jnp.where(jnp.isnan(factors), jnp.ones_like(factors), factors)
 
 
 def _weighted_sum(factors: jax.Array, x: jax.Array) -> jax.Array:
@@ -115,6 +117,7 @@ def per_example_clip_by_global_norm(grads: PyTree, max_norm: Any, *,
     grads: a pytree of per-example gradients, every floating leaf with the
       same leading batch axis.
     max_norm: the largest norm an example keeps (a number >= 0, or ``inf``).
+      Traced (inside ``jit``), a negative or NaN value acts as 0.
     ord: the norm order: any number ``p > 0`` or ``inf`` (DP-SGD uses 2).
     axis_name: under ``shard_map``/``pmap``, the axis name(s) the leaves'
       non-batch axes are split over: the norms are then global.
@@ -139,7 +142,7 @@ def per_example_clip_by_global_norm(grads: PyTree, max_norm: Any, *,
     Abadi et al., [Deep Learning with Differential Privacy](https://arxiv.org/abs/1607.00133), 2016.
   """
   fn = "per_example_clip_by_global_norm"
-  _check_max_norm(fn, max_norm)
+  max_norm = _check(fn, grads, max_norm)
   p = _validation.check_ord(fn, ord)
   reduction = _norms.make_reduction(fn, grads, axis_name, specs)
   leaves = _tree.clippable_leaves(grads)
@@ -170,6 +173,7 @@ def per_example_clip_by_layer_norm(grads: PyTree, max_norm: Any, *,
     grads: a pytree of per-example gradients, every floating leaf with the
       same leading batch axis.
     max_norm: the overall budget ``C`` (a number >= 0, or ``inf``).
+      Traced (inside ``jit``), a negative or NaN value acts as 0.
     uniform: split ``C`` evenly over the leaves, or by their sizes.
     axis_name: under ``shard_map``/``pmap``, the axis name(s) the leaves'
       non-batch axes are split over.
@@ -197,9 +201,8 @@ def per_example_clip_by_layer_norm(grads: PyTree, max_norm: Any, *,
     Models](https://arxiv.org/abs/1710.06963), 2018.
   """
   fn = "per_example_clip_by_layer_norm"
-  _check_max_norm(fn, max_norm)
-  if not isinstance(uniform, bool):
-    raise TypeError(f"`{fn}(uniform=...)` must be a bool, got {uniform!r}")
+  max_norm = _check(fn, grads, max_norm)
+  _validation.check_bool(fn, "uniform", uniform)
   reduction = _norms.make_reduction(fn, grads, axis_name, specs)
   leaves = _tree.clippable_leaves(grads)
   batch = _batch_size(fn, leaves)

@@ -131,13 +131,20 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
   skipped steps do not move the statistics: watch ``skip/skip_rate`` in
   ``optaxclip.stats``.
 
+  Injected with ``optax.inject_hyperparams``, the hyperparameters are
+  checked when ``init`` runs eagerly; traced (a jitted update after a change
+  of the state's hyperparameters), a negative ``max_norm`` or ``zscore``
+  acts as 0 (every finite step with a positive norm, or above the mean, is
+  skipped), ``ema_decay`` is clamped to [0, 1), ``warmup_steps`` to at least
+  0 (NaN as 0 for all of them) and an ``ord`` that is not > 0 acts as 2.
+
   Args:
     inner: the optimizer whose steps may be skipped.
     nonfinite: skip steps whose gradients hold NaN or Inf (a bool).
     max_norm: skip steps whose global norm exceeds it (a number >= 0), or
-      None.
+      None (or ``inf``).
     zscore: skip steps whose norm's z-score exceeds it (a number >= 0), or
-      None. Large runs use values around 6.
+      None (or ``inf``). Large runs use values around 6.
     ema_decay: the EMA's weight of the past, in [0, 1); 0.99 averages over
       about the last 100 accepted steps.
     warmup_steps: accepted steps before the z-score test starts (an int
@@ -174,18 +181,21 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
   """
   fn = "skip_step"
   if not (hasattr(inner, "init") and hasattr(inner, "update")):
+    hint = " (a factory: call it, e.g. optax.adam(1e-3))" if callable(inner) else ""
     raise TypeError(f"`{fn}(inner=...)` must be an optax GradientTransformation, "
-                    f"got {inner!r}")
-  if not isinstance(nonfinite, bool):
-    raise TypeError(f"`{fn}(nonfinite=...)` must be a bool, got {nonfinite!r}")
+                    f"got {inner!r:.80}{hint}")
+  _validation.check_bool(fn, "nonfinite", nonfinite)
   if max_norm is not None:
-    _validation.check_nonnegative(fn, "max_norm", max_norm)
+    max_norm = _validation.check_nonnegative(fn, "max_norm", max_norm,
+                                             allow_inf=True)
   if zscore is not None:
-    _validation.check_nonnegative(fn, "zscore", zscore)
-  _validation.check_unit_interval(fn, "ema_decay", ema_decay, include_one=False)
-  _validation.check_integer(fn, "warmup_steps", warmup_steps, 0)
+    zscore = _validation.check_nonnegative(fn, "zscore", zscore,
+                                           allow_inf=True)
+  ema_decay = _validation.check_unit_interval(fn, "ema_decay", ema_decay,
+                                              include_one=False)
+  warmup_steps = _validation.check_integer(fn, "warmup_steps", warmup_steps, 0)
   p = _validation.check_ord(fn, ord)
-  _validation.check_axis_name(fn, axis_name)
+  _validation.check_specs(fn, specs, axis_name)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
@@ -195,6 +205,7 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
     return SkipState(stats=_init_stats(), inner_state=inner_state)
 
   def update_fn(updates, state, params=None, **extra_args):
+    _validation.check_update(fn, updates, state, SkipState)
     stats = state.stats
     reduction = _norms.make_reduction(fn, updates, axis_name, specs)
     leaves = _tree.clippable_leaves(updates)

@@ -3,7 +3,9 @@
 A leaf takes part when it is a floating or complex array. ``None`` and
 ``optax.MaskedNode`` are empty subtrees (JAX never shows them as leaves), and
 integer or boolean arrays (step counters, masks, token ids) pass through every
-transform untouched and are left out of every norm.
+transform untouched and are left out of every norm. A Python float (or
+complex) leaf is a scalar array, as under ``jit``; a Python int or bool is
+an integer leaf.
 """
 
 from collections.abc import Callable
@@ -23,21 +25,29 @@ def is_clippable(leaf: Any) -> bool:
   return jnp.issubdtype(dtype, jnp.inexact)
 
 
+def as_array(leaf: Any) -> Any:
+  """A Python float or complex leaf as the JAX scalar ``jit`` would make it."""
+  if isinstance(leaf, (float, complex)) and not hasattr(leaf, "dtype"):
+    return jnp.asarray(leaf)
+  return leaf
+
+
 def clippable_leaves(tree: PyTree) -> list[Any]:
-  """The floating and complex leaves of ``tree``, in tree order."""
-  return [leaf for leaf in jax.tree.leaves(tree) if is_clippable(leaf)]
+  """The floating and complex leaves of ``tree``, in tree order, as arrays."""
+  return [as_array(leaf) for leaf in jax.tree.leaves(tree)
+          if is_clippable(leaf)]
 
 
 def clippable_leaves_with_paths(tree: PyTree) -> list[tuple[str, Any]]:
   """``(keystr(path), leaf)`` for the floating and complex leaves of ``tree``."""
   with_paths, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return [(jax.tree_util.keystr(path), leaf)
+  return [(jax.tree_util.keystr(path), as_array(leaf))
           for path, leaf in with_paths if is_clippable(leaf)]
 
 
 def map_clippable(fn: Callable[[jax.Array], jax.Array], tree: PyTree) -> PyTree:
   """Applies ``fn`` to the clippable leaves of ``tree``; others pass through."""
-  return jax.tree.map(lambda x: fn(x) if is_clippable(x) else x, tree)
+  return jax.tree.map(lambda x: fn(as_array(x)) if is_clippable(x) else x, tree)
 
 
 def accumulation_dtype(leaves: list[Any]) -> jnp.dtype:

@@ -2,9 +2,18 @@
 
 Checks run when a transform is built, so a bad hyperparameter fails at the
 line that wrote it, with a message naming the function, the argument and the
-value. JAX arrays (for instance the traced values that
-``optax.inject_hyperparams`` passes) are accepted as they are: their value is
-unknown at trace time, and reading it eagerly would cost a device sync per step.
+value. Python numbers, numpy scalars and concrete JAX arrays are checked
+alike: a hyperparameter that ``optax.inject_hyperparams`` injects is a
+concrete array when its ``init`` runs eagerly (the transform is built inside
+it), so a bad one fails there.
+
+A traced value (inside ``jit``: an injected hyperparameter during a jitted
+``update``, or one changed in the state) has no value to check, and a
+``jax.debug`` check would cost a host callback per step. Each check then
+returns it clamped into the argument's range, NaN to the range's low end
+(where the range has none, to a neutral value: 1 for a scale, 2 for a norm
+order), so that no value can flip the update's sign or make it NaN; every
+transform's docstring says what that means for its arguments.
 """
 
 import math
@@ -13,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 
@@ -21,84 +31,155 @@ def _where(fn: str, arg: str) -> str:
   return f"`{fn}({arg}=...)`"
 
 
-def _is_jax_value(value: Any) -> bool:
-  return isinstance(value, jax.Array)
+def is_traced(value: Any) -> bool:
+  """Whether ``value`` is a tracer, whose value is unknown until run time."""
+  return isinstance(value, Tracer)
 
 
-def _as_real(fn: str, arg: str, value: Any) -> float:
-  """``value`` as a Python float, or a TypeError naming the argument."""
+def scalar(fn: str, arg: str, value: Any) -> Any:
+  """``value`` as a Python float, or the tracer itself; else a TypeError.
+
+  Accepts real numbers and real scalar arrays (numpy, JAX), not bools.
+  """
   if isinstance(value, (bool, np.bool_)) or not isinstance(
-      value, (numbers.Real, np.ndarray)):
+      value, (numbers.Real, np.ndarray, np.generic, jax.Array)):
     raise TypeError(
-        f"{_where(fn, arg)} must be a real number, got {value!r} "
+        f"{_where(fn, arg)} must be a real number, got {value!r:.80} "
         f"of type {type(value).__name__}")
-  if isinstance(value, np.ndarray):
-    if value.shape != () or not np.issubdtype(value.dtype, np.number):
+  if isinstance(value, (np.ndarray, np.generic, jax.Array)):
+    if value.shape != ():
       raise TypeError(
-          f"{_where(fn, arg)} must be a real scalar, got an array of shape "
-          f"{value.shape} and dtype {value.dtype}")
-    value = value.item()
+          f"{_where(fn, arg)} must be a scalar, got an array of shape "
+          f"{value.shape}")
+    if not (jnp.issubdtype(value.dtype, jnp.integer)
+            or jnp.issubdtype(value.dtype, jnp.floating)):
+      raise TypeError(
+          f"{_where(fn, arg)} must be a real number, got an array of dtype "
+          f"{value.dtype}")
+    if is_traced(value):
+      return value
   return float(value)
 
 
-def check_scalar_array(fn: str, arg: str, value: jax.Array) -> None:
-  if value.shape != ():
-    raise TypeError(
-        f"{_where(fn, arg)} must be a scalar, got an array of shape "
-        f"{value.shape}")
+def clamp(value: Any, low: Any, high: Any = None) -> Any:
+  """A traced ``value`` clamped to ``[low, high]``, NaN to ``low``.
 
-
-def check_nonnegative(fn: str, arg: str, value: Any) -> Any:
-  """A finite number >= 0 (thresholds, eps); JAX arrays pass unchecked."""
-  if _is_jax_value(value):
-    check_scalar_array(fn, arg, value)
+  ``high`` may be None (no upper end) or ``"finite"`` (the largest finite
+  float: a traced Inf where only finite values make sense). Values that
+  are not traced are returned as they are: they were checked.
+  """
+  if not is_traced(value):
     return value
-  number = _as_real(fn, arg, value)
-  if not math.isfinite(number) or number < 0:
+  floating = jnp.issubdtype(value.dtype, jnp.floating)
+  if floating:
+    value = jnp.where(jnp.isnan(value), jnp.asarray(low, value.dtype), value)
+  value = jnp.maximum(value, jnp.asarray(low, value.dtype))
+  if high == "finite":
+    high = jnp.finfo(value.dtype).max if floating else None
+  if high is not None:
+    value = jnp.minimum(value, jnp.asarray(high, value.dtype))
+  return value
+
+
+def check_nonnegative(fn: str, arg: str, value: Any, *,
+                      allow_inf: bool = False) -> Any:
+  """A number >= 0, finite unless ``allow_inf`` (inf: no limit).
+
+  Traced: clamped to ``[0, inf]`` (``[0, max float]`` unless ``allow_inf``),
+  NaN to 0.
+  """
+  number = scalar(fn, arg, value)
+  if is_traced(number):
+    return clamp(number, 0, None if allow_inf else "finite")
+  if math.isnan(number) or number < 0 or (math.isinf(number) and not allow_inf):
+    what = "a number >= 0 or inf" if allow_inf else "a finite number >= 0"
+    raise ValueError(f"{_where(fn, arg)} must be {what}, got {value!r}")
+  return value
+
+
+def check_at_least(fn: str, arg: str, value: Any, minimum: float) -> Any:
+  """A finite number >= ``minimum``; traced: clamped, NaN to ``minimum``."""
+  number = scalar(fn, arg, value)
+  if is_traced(number):
+    return clamp(number, minimum, "finite")
+  if not math.isfinite(number) or number < minimum:
     raise ValueError(
-        f"{_where(fn, arg)} must be a finite number >= 0, got {value!r}")
+        f"{_where(fn, arg)} must be a finite number >= {minimum}, got {value!r}")
   return value
 
 
-def check_finite(fn: str, arg: str, value: Any) -> Any:
-  """A finite number of either sign (clipping bounds); JAX arrays unchecked."""
-  if value is None or _is_jax_value(value):
-    if value is not None:
-      check_scalar_array(fn, arg, value)
-    return value
-  number = _as_real(fn, arg, value)
-  if not math.isfinite(number):
-    raise ValueError(f"{_where(fn, arg)} must be a finite number, got {value!r}")
+def check_positive(fn: str, arg: str, value: Any, *, traced: float) -> Any:
+  """A finite number > 0; traced, any other value (NaN too) acts as
+  ``traced``."""
+  number = scalar(fn, arg, value)
+  if is_traced(number):
+    usable = (number > 0) & jnp.isfinite(number)
+    return jnp.where(usable, number, jnp.asarray(traced, number.dtype))
+  if not math.isfinite(number) or number <= 0:
+    raise ValueError(f"{_where(fn, arg)} must be a finite number > 0, got {value!r}")
   return value
+
+
+def check_interval(fn: str, arg: str, value: Any, low: float, high: float, *,
+                   include_high: bool = True) -> Any:
+  """A number in ``[low, high]`` (or ``[low, high)``).
+
+  Traced: clamped to the interval (``high`` itself excluded: the largest
+  float below it), NaN to ``low``.
+  """
+  number = scalar(fn, arg, value)
+  if is_traced(number):
+    top = high
+    if not include_high:
+      dtype = number.dtype if jnp.issubdtype(number.dtype, jnp.floating) \
+          else jnp.float32
+      top = np.nextafter(np.asarray(high, dtype), np.asarray(low, dtype))
+    return clamp(number, low, top)
+  if not (low <= number <= high) or (number == high and not include_high):
+    interval = f"[{low:g}, {high:g}{']' if include_high else ')'}"
+    raise ValueError(f"{_where(fn, arg)} must be a number in {interval}, got {value!r}")
+  return value
+
+
+def check_unit_interval(fn: str, arg: str, value: Any, *,
+                        include_one: bool = True) -> Any:
+  """A number in [0, 1] (or [0, 1)); traced: clamped, NaN to 0."""
+  return check_interval(fn, arg, value, 0, 1, include_high=include_one)
 
 
 def check_ord(fn: str, value: Any, arg: str = "ord") -> Any:
-  """The norm order as a Python float (any p > 0, ``inf``, ``"inf"``).
+  """The norm order: any p > 0, ``inf`` or ``"inf"``.
 
-  A JAX array (a hyperparameter injected by ``optax.inject_hyperparams``)
-  is returned as it is.
+  A number comes back as a Python float, an array as it is (the norm then
+  dispatches on its value at run time); a traced order that is not > 0
+  (NaN too) acts as 2.
   """
   if isinstance(value, str):
     if value.lower() == "inf":
       return math.inf
     raise ValueError(
         f"{_where(fn, arg)} must be a number > 0 or 'inf', got {value!r}")
-  if _is_jax_value(value):
-    # Injected by optax.inject_hyperparams: the norm dispatches on its value.
-    check_scalar_array(fn, arg, value)
-    return value
-  number = _as_real(fn, arg, value)
+  number = scalar(fn, arg, value)
+  if is_traced(number):
+    return jnp.where(number > 0, number, jnp.asarray(2, number.dtype))
   if math.isnan(number) or number <= 0:
     raise ValueError(
         f"{_where(fn, arg)} must be a number > 0 or 'inf', got {value!r}")
-  return number
+  return value if isinstance(value, jax.Array) else number
 
 
 def check_choice(fn: str, arg: str, value: Any, choices: Sequence[str]) -> str:
-  if value not in choices:
+  if not isinstance(value, str) or value not in choices:
     options = ", ".join(repr(c) for c in choices)
     raise ValueError(f"{_where(fn, arg)} must be one of {options}, got {value!r}")
   return value
+
+
+def check_bool(fn: str, arg: str, value: Any) -> bool:
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{_where(fn, arg)} must be a bool (True or False), got "
+                    f"{value!r:.80} of type {type(value).__name__}")
+  return bool(value)
 
 
 def check_axis_name(fn: str, value: Any) -> tuple[Any, ...]:
@@ -114,36 +195,53 @@ def check_axis_name(fn: str, value: Any) -> tuple[Any, ...]:
   return tuple(names)
 
 
-def check_positive(fn: str, arg: str, value: Any) -> Any:
-  """A finite number > 0; JAX arrays pass unchecked."""
-  check_nonnegative(fn, arg, value)
-  if not _is_jax_value(value) and float(value) == 0:
-    raise ValueError(f"{_where(fn, arg)} must be a finite number > 0, got {value!r}")
-  return value
+def _is_spec(x: Any) -> bool:
+  return x is None or isinstance(x, jax.sharding.PartitionSpec)
 
 
-def check_unit_interval(fn: str, arg: str, value: Any, *,
-                        include_one: bool = True) -> Any:
-  """A number in [0, 1] (or [0, 1)); JAX arrays pass unchecked."""
-  check_nonnegative(fn, arg, value)
-  if _is_jax_value(value):
-    return value
-  number = float(value)
-  if number > 1 or (number == 1 and not include_one):
-    interval = "[0, 1]" if include_one else "[0, 1)"
-    raise ValueError(f"{_where(fn, arg)} must be a number in {interval}, got {value!r}")
-  return value
+def check_specs(fn: str, specs: Any, axis_name: Any) -> Any:
+  """``axis_name`` (see ``check_axis_name``) and ``specs``: None, or
+  PartitionSpecs (a tree prefix) with an ``axis_name``.
+
+  Whether the prefix matches the gradients is only known at ``update``.
+  """
+  axis_names = check_axis_name(fn, axis_name)
+  if specs is None:
+    return specs
+  if not axis_names:
+    raise ValueError(
+        f"{_where(fn, 'specs')} needs `axis_name`: specs say how leaves are "
+        f"split over the named axes of shard_map/pmap; pass axis_name= too, or "
+        f"leave specs out")
+  for spec in jax.tree.leaves(specs, is_leaf=_is_spec):
+    if not _is_spec(spec):
+      raise TypeError(
+          f"{_where(fn, 'specs')} must hold PartitionSpecs (or None), got "
+          f"{spec!r:.80} of type {type(spec).__name__}")
+  return specs
 
 
 def check_integer(fn: str, arg: str, value: Any, minimum: int) -> Any:
-  """An int >= ``minimum``; a scalar JAX array (injected) passes."""
-  if _is_jax_value(value):
-    check_scalar_array(fn, arg, value)
-    return value
-  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+  """An int >= ``minimum``; a scalar integer array too (injected).
+
+  Traced: clamped to ``minimum`` from below.
+  """
+  if isinstance(value, (np.ndarray, np.generic, jax.Array)) and \
+      not isinstance(value, (bool, np.bool_)) and \
+      jnp.issubdtype(value.dtype, jnp.integer):
+    if value.shape != ():
+      raise TypeError(f"{_where(fn, arg)} must be a scalar, got an array of "
+                      f"shape {value.shape}")
+    if is_traced(value):
+      return clamp(value, minimum)
+    number = int(value)
+  elif isinstance(value, (bool, np.bool_)) or not isinstance(
+      value, numbers.Integral):
     raise TypeError(f"{_where(fn, arg)} must be an int >= {minimum}, got "
-                    f"{value!r} of type {type(value).__name__}")
-  if value < minimum:
+                    f"{value!r:.80} of type {type(value).__name__}")
+  else:
+    number = int(value)
+  if number < minimum:
     raise ValueError(f"{_where(fn, arg)} must be an int >= {minimum}, got {value!r}")
   return value
 
@@ -155,12 +253,8 @@ def check_buffer_size(fn: str, arg: str, value: Any) -> int | None:
   concrete one is read; a traced one (inside ``jit``) gives None, and the
   transform then reads the length from its state's buffer.
   """
-  if _is_jax_value(value):
-    check_scalar_array(fn, arg, value)
-    if isinstance(value, Tracer):
-      return None
-    value = value.item()
-  return int(check_integer(fn, arg, value, 1))
+  checked = check_integer(fn, arg, value, 1)
+  return None if is_traced(checked) else int(checked)
 
 
 def require_buffer_size(fn: str, arg: str, size: int | None) -> int:
@@ -171,3 +265,37 @@ def require_buffer_size(fn: str, arg: str, size: int | None) -> int:
         f"value; with optax.inject_hyperparams list it in static_args "
         f"(static_args=({arg!r},)) or call init outside jit")
   return size
+
+
+def _is_array_like(leaf: Any) -> bool:
+  return (isinstance(leaf, (numbers.Number, np.bool_)) or hasattr(leaf, "dtype")
+          or hasattr(leaf, "__jax_array__"))
+
+
+def check_tree(fn: str, arg: str, tree: Any) -> None:
+  """Every leaf of ``tree`` is an array or a number, or a TypeError naming it."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if not _is_array_like(leaf):
+      raise TypeError(
+          f"`{fn}`: {arg} must be a pytree of arrays, but leaf "
+          f"{jax.tree_util.keystr(path) or '(the root)'} is {leaf!r:.80} of "
+          f"type {type(leaf).__name__}; leave such values out of the tree")
+
+
+def check_state(fn: str, state: Any, state_type: type) -> None:
+  """``state`` is what ``init`` returned (a ``state_type``), or a TypeError."""
+  if isinstance(state, state_type) or (
+      state is not None
+      and all(hasattr(state, field) for field in state_type._fields)):
+    return
+  raise TypeError(
+      f"`{fn}`: update needs the {state_type.__name__} that `init` (or the "
+      f"previous update) returned, got state={state!r:.80}; call "
+      f"`state = tx.init(params)` once and pass the state on at every step")
+
+
+def check_update(fn: str, updates: Any, state: Any, state_type: type) -> None:
+  """The arguments of a stateful transform's ``update``: see ``check_state``
+  and ``check_tree``."""
+  check_state(fn, state, state_type)
+  check_tree(fn, "updates", updates)

@@ -99,12 +99,18 @@ def zclip(*, alpha: Any = 0.97, z_thresh: Any = 2.5,
   reference, is kept out of the warm-up buffer and the EMA (in the
   reference it poisons every later step) and counted in ``nonfinite_count``.
 
+  Injected with ``optax.inject_hyperparams``, the hyperparameters are
+  checked when ``init`` runs eagerly; traced (a jitted update after a change
+  of the state's hyperparameters), ``alpha`` is clamped to [0, 1], and a
+  negative ``z_thresh``, ``max_grad_norm``, ``eps`` or ``clip_factor`` acts
+  as 0 (NaN as 0 for all of them).
+
   Args:
     alpha: EMA smoothing factor in [0, 1] (weight of the past).
     z_thresh: the z-score above which a norm is a spike (>= 0); in
       ``"percentile"`` mode, the number of standard deviations allowed.
     max_grad_norm: an absolute cap on the norm (>= 0), applied in warm-up
-      and after it; None for no cap.
+      and after it; None (or ``inf``) for no cap.
     eps: added to the standard deviation in the z-score (>= 0).
     warmup_steps: how many norms to collect before the EMA starts (an int
       >= 1); fixes the state's shape. With ``optax.inject_hyperparams`` and
@@ -140,19 +146,18 @@ def zclip(*, alpha: Any = 0.97, z_thresh: Any = 2.5,
     Pre-Training](https://arxiv.org/abs/2504.02507), 2025.
   """
   fn = "zclip"
-  _validation.check_unit_interval(fn, "alpha", alpha)
-  _validation.check_nonnegative(fn, "z_thresh", z_thresh)
+  alpha = _validation.check_unit_interval(fn, "alpha", alpha)
+  z_thresh = _validation.check_nonnegative(fn, "z_thresh", z_thresh)
   if max_grad_norm is not None:
-    _validation.check_nonnegative(fn, "max_grad_norm", max_grad_norm)
-  _validation.check_nonnegative(fn, "eps", eps)
+    max_grad_norm = _validation.check_nonnegative(fn, "max_grad_norm",
+                                                  max_grad_norm, allow_inf=True)
+  eps = _validation.check_nonnegative(fn, "eps", eps)
   size = _validation.check_buffer_size(fn, "warmup_steps", warmup_steps)
   _validation.check_choice(fn, "mode", mode, MODES)
   _validation.check_choice(fn, "clip_option", clip_option, CLIP_OPTIONS)
-  _validation.check_nonnegative(fn, "clip_factor", clip_factor)
-  if not isinstance(skip_update_on_spike, bool):
-    raise TypeError(f"`{fn}(skip_update_on_spike=...)` must be a bool, got "
-                    f"{skip_update_on_spike!r}")
-  _validation.check_axis_name(fn, axis_name)
+  clip_factor = _validation.check_nonnegative(fn, "clip_factor", clip_factor)
+  _validation.check_bool(fn, "skip_update_on_spike", skip_update_on_spike)
+  _validation.check_specs(fn, specs, axis_name)
 
   def init_fn(params):
     del params
@@ -180,6 +185,7 @@ def zclip(*, alpha: Any = 0.97, z_thresh: Any = 2.5,
 
   def update_fn(updates, state, params=None):
     del params
+    _validation.check_update(fn, updates, state, ZClipState)
     reduction = _norms.make_reduction(fn, updates, axis_name, specs)
     leaves = _tree.clippable_leaves(updates)
     norm = _norms.norm_of_leaves(leaves, 2, reduction).astype(jnp.float32)

@@ -709,11 +709,6 @@ def test_specs_that_do_not_match_the_tree(fn, specs, match):
     jax.vmap(calls[fn], axis_name="i")(batched)
 
 
-def test_specs_need_axis_name():
-  with pytest.raises(ValueError, match=r"specs=.*needs `axis_name`"):
-    F.global_norm(GRADS, specs=P())
-
-
 def test_specs_naming_an_axis_outside_axis_name():
   # A leaf split over "model" while the norm only sums over "data": each
   # device would see a different norm. Either refuse, naming the axis, or

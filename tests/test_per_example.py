@@ -198,28 +198,3 @@ def test_shard_map_with_split_features():
       out_specs=PerExampleClip((P("i"), P("i")), P(), P())))
   result, expected = fn(grads), per_example_clip_by_global_norm(grads, 0.5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), result, expected)
-
-
-ONE, OTHER, SCALAR = np.ones((4, 2)), np.ones((3, 2)), np.ones(())
-
-
-@pytest.mark.parametrize("fn", [per_example_clip_by_global_norm,
-                                per_example_clip_by_layer_norm])
-@pytest.mark.parametrize("grads,max_norm,error,shown", [
-    ([ONE], -1.0, ValueError, "max_norm=...)` must be a finite number >= 0, got -1.0"),
-    ([ONE], math.nan, ValueError, "max_norm=...)` must be a finite number >= 0, got nan"),
-    ([ONE], "1", TypeError, "max_norm=...)` must be a real number, got '1'"),
-    ([ONE, OTHER], 1.0, ValueError, "grads=...)` needs a leading batch axis"),
-    ([ONE, SCALAR], 1.0, ValueError, "[(4, 2), ()]"),
-])
-def test_bad_arguments_name_argument_and_value(fn, grads, max_norm, error, shown):
-  with pytest.raises(error) as info:
-    fn(grads, max_norm)
-  assert f"`{fn.__name__}(" in str(info.value) and shown in str(info.value)
-
-
-def test_bad_keyword_arguments():
-  with pytest.raises(ValueError, match=r"`per_example_clip_by_global_norm\(ord=...\)`.*0"):
-    per_example_clip_by_global_norm([jnp.ones((4, 2))], 1.0, ord=0)
-  with pytest.raises(TypeError, match=r"`per_example_clip_by_layer_norm\(uniform=...\)`.*1"):
-    per_example_clip_by_layer_norm([jnp.ones((4, 2))], 1.0, uniform=1)

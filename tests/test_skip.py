@@ -272,24 +272,3 @@ def test_finite_at_zero():
   assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(out))
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state))
   assert int(state.stats.skipped_count) == 0 and int(state.stats.ema_count) == 4
-
-
-@pytest.mark.parametrize("arg,value,error,shown", [
-    ("inner", "adam", TypeError, "'adam'"),
-    ("nonfinite", 1, TypeError, "1"),
-    ("max_norm", -1.0, ValueError, "-1.0"),
-    ("max_norm", math.nan, ValueError, "nan"),
-    ("zscore", -2.0, ValueError, "-2.0"),
-    ("zscore", "6", TypeError, "'6'"),
-    ("ema_decay", 1.0, ValueError, "1.0"),
-    ("ema_decay", -0.5, ValueError, "-0.5"),
-    ("warmup_steps", -1, ValueError, "-1"),
-    ("warmup_steps", 2.5, TypeError, "2.5"),
-    ("ord", 0, ValueError, "0"),
-    ("axis_name", 1.5, TypeError, "1.5"),
-])
-def test_bad_arguments_name_argument_and_value(arg, value, error, shown):
-  kwargs = {"inner": optax.sgd(0.1), arg: value}
-  with pytest.raises(error) as info:
-    skip_step(kwargs.pop("inner"), **kwargs)
-  assert f"`skip_step({arg}=...)`" in str(info.value) and shown in str(info.value)

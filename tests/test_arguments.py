@@ -1,0 +1,341 @@
+"""What the public names accept beyond the obvious, for every one of them:
+traced hyperparameters out of range (clamped as each docstring says),
+``inf`` thresholds (never clip), Python scalar leaves, ``state=None``.
+
+Bad arguments that raise are in tests/test_errors.py.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optaxclip as oc
+
+F = oc.functional
+
+
+def grads_at(step):
+  """Gradients whose norm moves, with a spike at step 3."""
+  scale = (1.0, 1.2, 0.9, 40.0, 1.1)[step]
+  return {"w": jnp.array([[0.3, -0.4], [0.5, 0.1]]) * scale,
+          "b": jnp.array([-0.2, 0.6]) * scale}
+
+
+PARAMS = {"w": jnp.array([[1.0, -2.0], [0.5, 1.0]]), "b": jnp.array([0.1, 0.0])}
+STEPS = 5
+
+# (factory, hyperparameters, argument, a bad traced value, the value it acts
+# as, as the factory's docstring says, or the hyperparameters it acts as).
+BELOW_ONE = float(np.nextafter(np.float32(1), np.float32(0)))
+SKIP = functools.partial(oc.skip_step, optax.sgd(1.0))
+TRACED = [
+    (oc.clip_by_value, {"max_value": 0.5}, "max_value", -1.0, 0.0),
+    (oc.clip_by_value, {"max_value": 0.5}, "max_value", math.nan, 0.0),
+    (oc.clip_by_value, {"max_value": 0.5, "min_value": -0.5}, "min_value", 1.0,
+     {"max_value": 0.0, "min_value": 0.0}),  # an empty range: every element 0
+    (oc.clip_by_norm, {"max_norm": 0.5}, "max_norm", -1.0, 0.0),
+    (oc.clip_by_norm, {"max_norm": 0.5, "eps": 0.0}, "eps", -2.0, 0.0),
+    (oc.clip_by_global_norm, {"max_norm": 0.5}, "max_norm", -1.0, 0.0),
+    (oc.clip_by_global_norm, {"max_norm": 0.5}, "max_norm", math.nan, 0.0),
+    (oc.clip_by_global_norm, {"max_norm": 0.5, "eps": 0.0}, "eps", -0.4, 0.0),
+    (oc.clip_by_global_norm, {"max_norm": 0.5, "ord": 3.0}, "ord", -1.0, 2.0),
+    (oc.clip_by_global_norm, {"max_norm": 0.5, "ord": 3.0}, "ord", math.nan, 2.0),
+    (oc.clip_grad_norm, {"max_norm": 0.5}, "max_norm", -1.0, 0.0),
+    (oc.clip_grad_norm, {"max_norm": 0.5, "norm_type": 3.0}, "norm_type", 0.0, 2.0),
+    (oc.adaptive_grad_clip, {"clipping": 0.1}, "clipping", -1.0, 0.0),
+    (oc.adaptive_grad_clip, {"clipping": 0.1, "eps": 1e-3}, "eps", -1.0, 0.0),
+    (oc.auto_clip, {"percentile": 10.0, "history": 4}, "percentile", -50.0, 0.0),
+    (oc.auto_clip, {"percentile": 10.0, "history": 4}, "percentile", 150.0, 100.0),
+    (oc.auto_clip, {"percentile": 10.0, "history": 4}, "percentile", math.nan, 0.0),
+    (oc.auto_clip, {"percentile": 10.0, "history": 4, "eps": 1e-6}, "eps", -1.0, 0.0),
+    (oc.zclip, {"warmup_steps": 2, "alpha": 0.9}, "alpha", 2.0, 1.0),
+    (oc.zclip, {"warmup_steps": 2, "alpha": 0.9}, "alpha", -1.0, 0.0),
+    (oc.zclip, {"warmup_steps": 2, "z_thresh": 2.5}, "z_thresh", -1.0, 0.0),
+    (oc.zclip, {"warmup_steps": 2, "max_grad_norm": 1.0}, "max_grad_norm", -1.0, 0.0),
+    (oc.zclip, {"warmup_steps": 2, "eps": 1e-6}, "eps", -1.0, 0.0),
+    (oc.zclip, {"warmup_steps": 2, "clip_factor": 1.0}, "clip_factor", -1.0, 0.0),
+    (oc.adagc, {"warmup_steps": 2, "lambda_abs": 1.0}, "lambda_abs", -1.0, 0.0),
+    (oc.adagc, {"warmup_steps": 2, "lambda_rel": 1.05}, "lambda_rel", -1.0, 0.0),
+    (oc.adagc, {"warmup_steps": 2, "beta": 0.9}, "beta", 2.0, 1.0),
+    (oc.adagc, {"warmup_steps": 2, "beta": 0.9}, "beta", -1.0, 0.0),
+    (oc.adagc, {"warmup_steps": 2, "eps": 0.0}, "eps", -1.0, 0.0),
+    (oc.adagc, {"warmup_steps": 2}, "warmup_steps", -3, 1),
+    (SKIP, {"max_norm": 10.0}, "max_norm", -1.0, 0.0),
+    (SKIP, {"zscore": 3.0, "warmup_steps": 1}, "zscore", -1.0, 0.0),
+    (SKIP, {"zscore": 3.0, "warmup_steps": 1, "ema_decay": 0.9}, "ema_decay", 1.5,
+     BELOW_ONE),
+    (SKIP, {"zscore": 3.0, "warmup_steps": 1, "ema_decay": 0.9}, "ema_decay", -1.0,
+     0.0),
+    (SKIP, {"zscore": 3.0, "warmup_steps": 2}, "warmup_steps", -5, 0),
+    (SKIP, {"max_norm": 10.0, "ord": 3.0}, "ord", -1.0, 2.0),
+    (oc.dynamic_loss_scale, {"initial_scale": 4.0, "period": 2}, "factor", 0.5, 1.0),
+    (oc.dynamic_loss_scale, {"initial_scale": 4.0, "period": 2}, "factor", math.nan,
+     1.0),
+    (oc.dynamic_loss_scale, {"initial_scale": 4.0, "period": 2}, "period", -1, 1),
+    (oc.dynamic_loss_scale, {"initial_scale": 4.0, "period": 2}, "min_scale", -1.0,
+     1.0),
+]
+
+
+def _id(case):
+  factory, _, arg, bad, _ = case
+  name = getattr(factory, "__name__", None) or factory.func.__name__
+  return f"{name}-{arg}={bad}"
+
+
+@functools.cache
+def _injected(factory, kwargs):
+  """``inject_hyperparams(factory)(**kwargs)`` and its jitted update, built
+  once: the cases of one transform share one compiled update."""
+  tx = optax.inject_hyperparams(factory)(**dict(kwargs))
+  return tx, jax.jit(tx.update)
+
+
+def _run(factory, kwargs, values):
+  """The updates of ``STEPS`` steps with the injected ``values`` (traced),
+  and the transform's state after them."""
+  tx, update = _injected(factory, tuple(sorted(kwargs.items())))
+  state = tx.init(PARAMS)
+  for arg, value in values.items():
+    state.hyperparams[arg] = jnp.asarray(value, state.hyperparams[arg].dtype)
+  outs = []
+  for t in range(STEPS):
+    out, state = update(grads_at(t), state, PARAMS)
+    outs.append(out)
+  return outs, state.inner_state
+
+
+@pytest.mark.parametrize("case", TRACED, ids=[_id(c) for c in TRACED])
+def test_traced_bad_hyperparameters_are_clamped(case):
+  # Issue 11: an injected value changed in the state reaches a jitted update
+  # as a tracer. It cannot be checked, so it acts as its clamp: never a
+  # flipped sign, never NaN from finite gradients. (That valid injected
+  # values give the transform's own numbers is tests/test_contract.py's.)
+  factory, kwargs, arg, bad, acts_as = case
+  outs, state = _run(factory, kwargs, {arg: bad})
+  expected, expected_state = _run(
+      factory, kwargs, acts_as if isinstance(acts_as, dict) else {arg: acts_as})
+  for x, y in zip(jax.tree.leaves(outs), jax.tree.leaves(expected)):
+    assert np.all(np.isfinite(x))
+    np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+  jax.tree.map(np.testing.assert_array_equal, state, expected_state)
+
+
+@pytest.mark.parametrize("max_norm", [-1.0, math.nan])
+def test_traced_negative_max_norm_never_flips_the_update(max_norm):
+  # The issue's own case: inject_hyperparams(clip_by_global_norm)(-1.0).
+  tx = optax.inject_hyperparams(oc.clip_by_global_norm)(max_norm=1.0)
+  state = tx.init(PARAMS)
+  state.hyperparams["max_norm"] = jnp.float32(max_norm)
+  out, _ = jax.jit(tx.update)(grads_at(0), state)
+  for x, g in zip(jax.tree.leaves(out), jax.tree.leaves(grads_at(0))):
+    assert np.all(np.asarray(x) * np.asarray(g) >= 0)  # no sign flip
+    np.testing.assert_array_equal(x, 0)
+
+
+@pytest.mark.parametrize("name,fn", [
+    ("clip_by_norm", lambda g, v: F.clip_by_norm(g, v)),
+    ("clip_by_global_norm", lambda g, v: F.clip_by_global_norm(g, v)[0]),
+    ("clip_by_value", lambda g, v: F.clip_by_value(g, v)),
+    ("adaptive_grad_clip", lambda g, v: F.adaptive_grad_clip(g, PARAMS, v)),
+    ("per_example_clip_by_global_norm",
+     lambda g, v: F.per_example_clip_by_global_norm(g, v).summed),
+    ("per_example_clip_by_layer_norm",
+     lambda g, v: F.per_example_clip_by_layer_norm(g, v).summed),
+])
+@pytest.mark.parametrize("bad", [-1.0, math.nan])
+def test_functions_clamp_a_traced_threshold_to_zero(name, fn, bad):
+  del name
+  grads = grads_at(0)
+  out = jax.jit(fn)(grads, jnp.float32(bad))
+  expected = fn(grads, 0.0)
+  jax.tree.map(np.testing.assert_array_equal, out, expected)
+  assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(out))
+
+
+def test_traced_initial_scale_acts_as_one():
+  tx = optax.inject_hyperparams(oc.dynamic_loss_scale)(initial_scale=-4.0)
+  with pytest.raises(ValueError, match="initial_scale"):
+    tx.init(PARAMS)  # eager: concrete, checked
+  state = jax.jit(tx.init)(PARAMS)  # traced: clamped
+  assert float(oc.loss_scale(state)) == 1.0
+
+
+# --- inf thresholds: measure, never clip (issue 12) ---------------------------
+
+FINITE = {"w": jnp.array([3.0, 4.0]), "b": jnp.array([12.0])}
+WITH_INF = {"w": jnp.array([3.0, jnp.inf]), "b": jnp.array([12.0])}
+
+INF_TRANSFORMS = {
+    "clip_by_global_norm": lambda: oc.clip_by_global_norm(math.inf),
+    "clip_by_norm": lambda: oc.clip_by_norm(math.inf),
+    "clip_grad_norm": lambda: oc.clip_grad_norm(math.inf),
+    "clip_by_global_norm_ord3": lambda: oc.clip_by_global_norm(math.inf, ord=3),
+    "clip_by_value": lambda: oc.clip_by_value(math.inf),
+    "clip_by_value_both": lambda: oc.clip_by_value(math.inf, -math.inf),
+    "zclip": lambda: oc.zclip(max_grad_norm=math.inf, warmup_steps=2,
+                              z_thresh=1e6),
+    "adagc": lambda: oc.adagc(lambda_abs=math.inf, warmup_steps=10),
+    "skip_step": lambda: oc.skip_step(optax.sgd(-1.0), max_norm=math.inf,
+                                      zscore=math.inf, warmup_steps=0),
+}
+
+
+@pytest.mark.parametrize("name", INF_TRANSFORMS)
+@pytest.mark.parametrize("jit", [False, True])
+def test_inf_threshold_never_clips_and_still_measures(name, jit):
+  tx = INF_TRANSFORMS[name]()
+  update = jax.jit(tx.update) if jit else tx.update
+  state = tx.init(FINITE)
+  for scale in (1.0, 1e30, 1.0):
+    grads = jax.tree.map(lambda x: x * scale, FINITE)
+    out, state = update(grads, state, FINITE)
+    jax.tree.map(np.testing.assert_array_equal, out, grads)
+  logged = [v for k, v in oc.stats(state).items() if k.endswith("/norm")]
+  expected = {"clip_by_norm": 12.0,  # the largest leaf norm
+              "clip_by_global_norm_ord3": F.global_norm(FINITE, ord=3)}
+  for norm in logged:
+    np.testing.assert_allclose(norm, expected.get(name, 13.0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("name,ours", [
+    ("clip_by_global_norm", lambda g: F.clip_by_global_norm(g, math.inf)[0]),
+    ("transform", lambda g: oc.clip_by_global_norm(math.inf).update(g, None)[0]),
+    ("clip_grad_norm", lambda g: oc.clip_grad_norm(math.inf).update(g, None)[0]),
+])
+def test_inf_threshold_on_inf_gradients_matches_optax_and_torch(name, ours):
+  # torch.nn.utils.clip_grad_norm_(max_norm=inf) on an Inf gradient: the
+  # coefficient inf / (inf + 1e-6) is NaN and every gradient becomes NaN
+  # (torch 2.13 prints tensor([nan, nan])); optax.clip_by_global_norm(inf)
+  # gives NaN everywhere too. The norm is Inf, the step is counted.
+  del name
+  reference, _ = optax.clip_by_global_norm(math.inf).update(WITH_INF, None)
+  out = ours(WITH_INF)
+  for x, y in zip(jax.tree.leaves(out), jax.tree.leaves(reference)):
+    assert np.all(np.isnan(x)) and np.all(np.isnan(y))
+  for value in (1.0, math.inf):  # finite gradients: as optax
+    reference, _ = optax.clip_by_global_norm(value).update(FINITE, None)
+    ours_finite = F.clip_by_global_norm(FINITE, value)[0]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+                 ours_finite, reference)
+
+
+def test_inf_threshold_counts_a_nonfinite_step():
+  tx = oc.clip_by_global_norm(math.inf)
+  _, state = tx.update(WITH_INF, tx.init(WITH_INF))
+  assert float(state.norm) == math.inf
+  assert int(state.nonfinite_count) == 1 and int(state.clipped_count) == 0
+
+
+def test_per_leaf_inf_threshold_spares_the_finite_leaves():
+  out = F.clip_by_norm(WITH_INF, math.inf)
+  np.testing.assert_array_equal(out["b"], WITH_INF["b"])
+  assert np.all(np.isnan(out["w"]))
+
+
+def test_per_example_inf_threshold_is_unchanged():
+  # optax's per-example clip keeps an example whose factor is NaN (inf/inf):
+  # its Inf reaches the sum.
+  grads = [jnp.array([[3.0, 4.0], [jnp.inf, 1.0]])]
+  summed, num_clipped, _ = F.per_example_clip_by_global_norm(grads, math.inf)
+  reference, _ = optax.per_example_global_norm_clip(grads, math.inf)
+  np.testing.assert_array_equal(summed[0], reference[0])
+  assert int(num_clipped) == 0
+
+
+# --- Python scalar leaves (issue 13) ------------------------------------------
+
+def mixed_tree():
+  return {"f": 1.5, "i": 3, "w": jnp.array([3.0, -4.0]), "c": [2.5, jnp.ones(2)]}
+
+
+def as_arrays(tree):
+  """The tree as ``jit`` hands it to a function: Python floats as arrays."""
+  return jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, float) else x,
+                      tree)
+
+
+TRANSFORMS = {
+    "clip_by_value": lambda: oc.clip_by_value(0.5),
+    "clip_by_norm": lambda: oc.clip_by_norm(1.0),
+    "clip_by_global_norm": lambda: oc.clip_by_global_norm(1.0),
+    "clip_by_global_norm_zero": lambda: oc.clip_by_global_norm(1.0, nonfinite="zero"),
+    "clip_by_global_norm_raise": lambda: oc.clip_by_global_norm(1.0, nonfinite="raise"),
+    "clip_grad_norm": lambda: oc.clip_grad_norm(1.0),
+    "adaptive_grad_clip": lambda: oc.adaptive_grad_clip(0.1),
+    "auto_clip": lambda: oc.auto_clip(50.0, history=4),
+    "zclip": lambda: oc.zclip(warmup_steps=1),
+    "adagc": lambda: oc.adagc(warmup_steps=1),
+    "skip_step": lambda: oc.skip_step(oc.clip_by_global_norm(1.0), max_norm=100.0),
+    "dynamic_loss_scale": lambda: oc.dynamic_loss_scale(4.0),
+}
+
+
+@pytest.mark.parametrize("name", TRANSFORMS)
+def test_python_float_leaves_are_scalar_arrays(name):
+  # Optax's clippers crash on them (clip_by_global_norm: 'float' object has
+  # no attribute 'dtype'); optaxclip treats them as jit does, as scalar
+  # float32 arrays, eagerly too. Python ints are integer leaves: untouched.
+  tx = TRANSFORMS[name]()
+  tree = mixed_tree()
+  state = tx.init(tree)
+  eager = tx.update(tree, state, tree)
+  jitted = jax.jit(tx.update)(tree, state, tree)
+  arrays = tx.update(as_arrays(tree), state, as_arrays(tree))
+  for a, b in ((eager, jitted), (eager, arrays)):
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(
+        np.asarray(x), np.asarray(y)), a, b)
+  if name != "skip_step":  # its select makes every leaf an array
+    assert eager[0]["i"] == 3 and type(eager[0]["i"]) is int
+  assert isinstance(eager[0]["f"], jax.Array) and eager[0]["f"].dtype == jnp.float32
+
+
+FUNCTIONS = {
+    "global_norm": lambda t: F.global_norm(t),
+    "global_norm_ord3": lambda t: F.global_norm(t, ord=3),
+    "all_finite": lambda t: F.all_finite(t),
+    "clip_by_value": lambda t: F.clip_by_value(t, 0.5),
+    "clip_by_norm": lambda t: F.clip_by_norm(t, 1.0),
+    "clip_by_global_norm": lambda t: F.clip_by_global_norm(t, 1.0),
+    "adaptive_grad_clip": lambda t: F.adaptive_grad_clip(t, t, 0.1),
+}
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_functions_take_python_float_leaves(name):
+  fn = FUNCTIONS[name]
+  tree = mixed_tree()
+  eager, jitted, arrays = fn(tree), jax.jit(fn)(tree), fn(as_arrays(tree))
+  for a, b in ((eager, jitted), (eager, arrays)):
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(
+        np.asarray(x), np.asarray(y)), a, b)
+
+
+def test_python_float_leaves_count_in_the_norm():
+  np.testing.assert_allclose(F.global_norm({"a": 3.0, "b": jnp.array(4.0), "i": 7}),
+                             5.0)
+  clipped, norm = F.clip_by_global_norm({"a": 3.0, "b": 4.0, "i": 7}, 1.0)
+  np.testing.assert_allclose([clipped["a"], clipped["b"], norm], [0.6, 0.8, 5.0],
+                             rtol=1e-6)
+  assert clipped["i"] == 7
+
+
+# --- state=None (issue 14) -----------------------------------------------------
+
+@pytest.mark.parametrize("name", ["clip_by_norm", "clip_by_global_norm",
+                                  "clip_grad_norm", "adaptive_grad_clip",
+                                  "clip_by_value"])
+def test_fixed_threshold_clippers_take_state_none_as_a_fresh_state(name):
+  # As optax's clippers (whose state is empty) do: the state only logs.
+  tx = TRANSFORMS[name]()
+  grads = grads_at(3)
+  with_none = tx.update(grads, None, PARAMS)
+  fresh = tx.update(grads, tx.init(PARAMS), PARAMS)
+  jax.tree.map(np.testing.assert_array_equal, with_none[0], fresh[0])
+  if name != "clip_by_value":  # stateless: the given state comes back
+    jax.tree.map(np.testing.assert_array_equal, with_none[1], fresh[1])
