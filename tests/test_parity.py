@@ -53,6 +53,8 @@ TORCH_EPS = 1e-6  # the epsilon torch adds to the norm in clip_grad_norm_
 # ``clip_norm * min(1 / norm, 1 / clip_norm)``; Optax divides the leaves by the
 # norm, then multiplies by ``max_norm``; optaxclip multiplies by
 # ``max_norm / (norm + eps)``. Sums of tens of elements run in another order.
+# The largest seen on these trees (PyTorch 2.13, TensorFlow 2.21, Optax 0.2.8)
+# is half of each: 2, 4, 3 and 2.
 ULPS = {
     "torch": 4,  # norm_type 2 and inf
     "torch, other orders": 8,  # norm_type 1 and 3
