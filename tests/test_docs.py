@@ -5,9 +5,10 @@ Conventions the pages follow (see docs/*.md):
 - Every fenced ``python`` block is executed, in page order, in one fresh
   namespace per page, so blocks on a page build on each other.
 - A fenced ``text`` block that directly follows a python block (only blank
-  lines in between) is that block's expected stdout. Numbers are compared
-  to a relative tolerance of 1e-6 (one float32 rounding), the rest exactly
-  up to whitespace.
+  lines in between) is that block's expected stdout, compared as text,
+  exactly: a page shows what its code prints, down to the last digit (a
+  tolerance once let three pages show a float32 one ulp away from the one
+  their code printed).
 - A python block preceded by ``<!-- skip: MODULE -->`` is code for another
   library (torch, tensorflow, mindspore). It is not part of the optaxclip
   run; when MODULE is importable it is run on its own (one namespace per
@@ -40,7 +41,6 @@ PAGES = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md"))
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<ticks>`{3,})(?P<info>[^`]*)$")
 _SKIP = re.compile(r"^\s*<!--\s*skip:\s*(?P<module>[\w.]+)\s*-->\s*$")
-_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?inf|nan")
 
 
 @dataclasses.dataclass
@@ -98,20 +98,10 @@ def parse(path: pathlib.Path) -> list[Block]:
   return blocks
 
 
-def _numbers_and_words(text: str) -> tuple[list[float], list[str]]:
-  numbers = [float(m) for m in _NUMBER.findall(text)]
-  words = _NUMBER.sub("#", text).split()
-  return numbers, words
-
-
 def check_output(actual: str, expected: str, where: str) -> None:
-  got_n, got_w = _numbers_and_words(actual)
-  want_n, want_w = _numbers_and_words(expected)
-  message = f"{where}: printed\n{actual}\nbut the page says\n{expected}"
-  assert got_w == want_w and len(got_n) == len(want_n), message
-  for got, want in zip(got_n, want_n):
-    if got != want:  # also lets inf == inf through
-      assert abs(got - want) <= 1e-6 * max(abs(want), 1e-3), message
+  """``actual`` (what a block printed) is ``expected`` (the page), exactly."""
+  assert actual == expected, (
+      f"{where}: printed\n{actual}\nbut the page says\n{expected}")
 
 
 def run_blocks(page: str, blocks: list[Block]) -> None:
@@ -134,6 +124,18 @@ def test_pages_found():
   assert {"index.md", "which.md", "logging.md", "distributed.md",
           "reference.md", "migration/pytorch.md", "migration/tensorflow.md",
           "migration/mindspore.md"} <= set(PAGES)
+
+
+def test_output_is_compared_exactly():
+  """Text one float32 ulp away is a different page: outputs are compared as
+  text, not as numbers within a tolerance."""
+  shown = "[-0.30656928  0.30656928]\n"
+  check_output(shown, shown, "same text")
+  for printed in ("[-0.3065693  0.3065693]\n",  # one ulp apart
+                  "[-0.30656928 0.30656928]\n",  # spacing
+                  "[-0.30656928  0.30656928]\n\n"):  # an extra line
+    with pytest.raises(AssertionError, match="but the page says"):
+      check_output(printed, shown, "docs/page.md:1")
 
 
 @pytest.mark.parametrize("page", PAGES)
