@@ -285,10 +285,10 @@ def clip_by_global_norm(max_norm: Any, *, ord: Any = 2, eps: Any = 0.0,
                         ) -> optax.GradientTransformation:
   """Scales the updates so that their global norm is at most ``max_norm``.
 
-  A drop-in for ``optax.clip_by_global_norm`` (same numbers with the
-  defaults, to within one rounding: leaves are multiplied by
-  ``max_norm / norm``, as TensorFlow and PyTorch do, where Optax divides and
-  then multiplies) whose state keeps the pre-clip norm for logging (read it
+  A drop-in for ``optax.clip_by_global_norm`` (the same numbers with the
+  defaults, to within a few float32 ulps: leaves are multiplied by the
+  factor ``max_norm / norm``, computed once, where Optax divides each leaf
+  by the norm and multiplies by ``max_norm``) whose state keeps the pre-clip norm for logging (read it
   with ``optaxclip.stats``), and which stays finite for finite gradients of
   any magnitude and dtype. Like Optax's, its ``update`` accepts
   ``state=None`` (as a fresh state).
@@ -312,8 +312,9 @@ def clip_by_global_norm(max_norm: Any, *, ord: Any = 2, eps: Any = 0.0,
     nonfinite: what to do when the norm is NaN or Inf: ``"propagate"`` (as
       Optax/PyTorch/TensorFlow: the update carries the NaN), ``"zero"`` (the
       update becomes zeros) or ``"raise"`` (an error naming the leaves that
-      hold NaN/Inf, eagerly and under ``jit``). Steps are counted in the
-      state's ``nonfinite_count`` in every mode.
+      hold NaN/Inf, eagerly and under ``jit``). ``"propagate"`` and
+      ``"zero"`` count such steps in the state's ``nonfinite_count``;
+      ``"raise"`` returns no state.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a ``ClipState``.
@@ -342,10 +343,14 @@ def clip_grad_norm(max_norm: Any, norm_type: Any = 2.0, *,
                    ) -> optax.GradientTransformation:
   """PyTorch's ``torch.nn.utils.clip_grad_norm_`` as an Optax transform.
 
-  Same numbers as PyTorch: every gradient is multiplied by
+  PyTorch's formula: every gradient is multiplied by
   ``min(1, max_norm / (total_norm + 1e-6))`` where ``total_norm`` is the
   ``norm_type``-norm of all gradients together. The value PyTorch returns,
-  the total norm, is kept in the state (``optaxclip.stats(state)``).
+  the total norm, is kept in the state (``optaxclip.stats(state)``). The
+  numbers agree with PyTorch's to a few float32 ulps, not bit for bit:
+  PyTorch takes the norm of per-tensor norms and multiplies by the
+  reciprocal of ``total_norm + 1e-6``, two more roundings (see
+  ``docs/migration/pytorch.md``).
 
   Hyperparameters injected with ``optax.inject_hyperparams`` are checked
   when ``init`` runs eagerly. Traced (a jitted update after a change of the
