@@ -4,8 +4,9 @@ For the first ``warmup_steps`` steps the updates are clipped globally at
 ``lambda_abs`` while each tensor's threshold ``gamma_i`` tracks the running
 minimum of its clipped norm; afterwards tensor ``i`` is clipped at
 ``lambda_rel * gamma_i`` and ``gamma_i`` becomes an EMA of its clipped norm.
-``gamma`` is one float32 per clippable leaf, so the state's shape is fixed by
-the tree structure given to ``init``.
+``gamma`` is one float per clippable leaf, so the state's shape is fixed by
+the tree structure given to ``init``. A warm-up step whose global norm is an
+outlier does not move ``gamma`` (see ``adagc``).
 """
 
 from typing import Any, NamedTuple
@@ -14,17 +15,23 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxclip import _norm_clipping, _norms, _stats, _tree, _validation
+from optaxclip import _norm_clipping, _norms, _running_stats, _stats, _tree, _validation
 
 PyTree = Any
 
 
 class AdaGCState(NamedTuple):
-  """State of ``adagc``: one threshold per tensor and scalar statistics."""
-  gamma: jax.Array  # float32 [clippable leaves]: per-tensor clipped-norm
+  """State of ``adagc``: one threshold per tensor and scalar statistics.
+
+  The float fields are float32, or float64 when x64 is on and ``init`` was
+  given float64 parameters.
+  """
+  gamma: jax.Array  # float [clippable leaves]: per-tensor clipped-norm
   #                   statistic (+inf before the first step)
-  norm: jax.Array  # float32: pre-clip global norm of the last update
-  scale: jax.Array  # float32: smallest per-tensor factor applied last step
+  norm_min: jax.Array  # float: smallest global norm of the warm-up steps
+  #                      that fed gamma (+inf before the first)
+  norm: jax.Array  # float: pre-clip global norm of the last update
+  scale: jax.Array  # float: smallest per-tensor factor applied last step
   clipped_tensors: jax.Array  # int32: tensors with factor < 1 last step
   count: jax.Array  # int32: steps seen (warm-up while count < warmup_steps)
   clipped_count: jax.Array  # int32: steps with a finite norm and a factor < 1
@@ -59,12 +66,28 @@ def adagc(*, lambda_abs: Any = 1.0, lambda_rel: Any = 1.05, beta: Any = 0.98,
     ``gamma_i = beta * gamma_i + (1 - beta) * ||h_i g_i||``.
 
   Norms are L2 norms of the clippable leaves (one "tensor" per leaf),
-  accumulated in float32. With ``eps > 0`` every factor is
-  ``min(1, threshold / (norm + eps))`` instead. A NaN or Inf norm propagates
-  into the update but leaves ``gamma`` unchanged (counted in
-  ``nonfinite_count``). A tensor whose gradient is exactly zero during
-  warm-up gets ``gamma_i = 0`` and, as in the paper, stays at zero from
-  then on: its updates are zeroed after warm-up.
+  accumulated in float32 (float64 for float64 parameters under x64, so
+  that a float64 norm beyond float32's range is clipped, not taken for
+  Inf). With ``eps > 0`` every factor is ``min(1, threshold / (norm +
+  eps))`` instead. A NaN or Inf norm propagates into the update but leaves
+  ``gamma`` unchanged (counted in ``nonfinite_count``). A tensor whose
+  gradient is exactly zero during warm-up gets ``gamma_i = 0`` and, as in
+  the paper, stays at zero from then on: its updates are zeroed after
+  warm-up.
+
+  One outlier step cannot set ``gamma``. In the paper's warm-up one step
+  whose global norm is ``X`` times the usual (a spike in one tensor) lowers
+  every other tensor's running minimum ``X``-fold, and after the warm-up
+  ``gamma`` rises by at most ``beta + (1 - beta) * lambda_rel`` (0.1%) a
+  step: ``log(X) / 0.001`` steps of over-clipping, 44,000 for ``X = 1e19``.
+  Here a warm-up step whose global norm is more than 100 times the smallest
+  global norm of the steps that fed ``gamma`` is clipped but does not feed
+  it, and a step more than 100 times below it (as after an outlier that
+  was the first step) starts ``gamma`` again from its own clipped norms.
+  Ordinary warm-ups (global norms within a factor of 100) give the paper's
+  numbers. After the warm-up the EMA is fed clipped norms, at most
+  ``lambda_rel * gamma_i``: one outlier of any size moves ``gamma`` by at
+  most that much, and a tensor's spike is clipped from the first step.
 
   Defaults: ``lambda_rel=1.05``, ``beta=0.98`` and a 100-step warm-up are
   the settings of the paper's experiments (and the defaults of the
@@ -130,9 +153,11 @@ def adagc(*, lambda_abs: Any = 1.0, lambda_rel: Any = 1.05, beta: Any = 0.98,
 
   def init_fn(params):
     count = len(_tree.clippable_leaves(params))
+    dtype = _running_stats.statistics_dtype(params)
     return AdaGCState(
-        gamma=jnp.full([count], jnp.inf, jnp.float32),
-        norm=jnp.zeros([], jnp.float32), scale=jnp.ones([], jnp.float32),
+        gamma=jnp.full([count], jnp.inf, dtype),
+        norm_min=jnp.full([], jnp.inf, dtype),
+        norm=jnp.zeros([], dtype), scale=jnp.ones([], dtype),
         **_stats.zeros(jnp.int32, "clipped_tensors", "count", "clipped_count",
                        "nonfinite_count"))
 
@@ -146,25 +171,36 @@ def adagc(*, lambda_abs: Any = 1.0, lambda_rel: Any = 1.05, beta: Any = 0.98,
           f"`{fn}`: the state has a threshold for {state.gamma.shape[0]} "
           f"tensors but the updates have {len(leaves)} floating leaves; "
           f"call init with the parameters (or a tree of the same structure)")
-    norms = _norms.leaf_norms(leaves, 2, reduction).astype(jnp.float32)
+    dtype = state.gamma.dtype  # the statistics' (see init), every step
+    norms = _norms.leaf_norms(leaves, 2, reduction).astype(dtype)
     # The global norm from the per-tensor norms: no second pass over the
     # updates, no second all-reduce, and the same overflow-safe norm.
     norm = _norms.norm_of_leaves([norms], 2, _norms.LOCAL)
     finite = jnp.isfinite(norm)
     warming = state.count < warmup_steps
     global_factor = _norm_clipping.clip_factor(norm, lambda_abs, eps)
-    relative = jnp.asarray(lambda_rel, jnp.float32) * state.gamma
+    relative = jnp.asarray(lambda_rel, dtype) * state.gamma
     factors = jnp.where(warming, global_factor,
                         _norm_clipping.clip_factor(norms, relative, eps))
     clipped_norms = factors * norms
-    b = jnp.asarray(beta, jnp.float32)
-    gamma = jnp.where(warming, jnp.minimum(state.gamma, clipped_norms),
-                      b * state.gamma + (1 - b) * clipped_norms)
+    # Warm-up: the running minimum, over the steps whose global norm is
+    # within OUTLIER_RATIO of the smallest one that fed it.
+    restart = _running_stats.far_below(norm, state.norm_min)
+    outlier = _running_stats.far_above(norm, state.norm_min)
+    warm_gamma = jnp.where(restart, clipped_norms, jnp.where(
+        outlier, state.gamma, jnp.minimum(state.gamma, clipped_norms)))
+    norm_min = jnp.where(restart, norm, jnp.where(
+        outlier, state.norm_min, jnp.minimum(state.norm_min, norm)))
+    b = jnp.asarray(beta, dtype)
+    gamma = jnp.where(warming, warm_gamma,
+                      _running_stats.ema_mean(state.gamma, clipped_norms, b))
     gamma = jnp.where(finite, gamma, state.gamma)
+    norm_min = jnp.where(finite & warming, norm_min, state.norm_min)
     clipped = jnp.sum(factors < 1, dtype=jnp.int32)
     new_state = AdaGCState(
-        gamma=gamma.astype(jnp.float32), norm=norm.astype(jnp.float32),
-        scale=jnp.min(factors, initial=1.0).astype(jnp.float32),
+        gamma=gamma.astype(dtype), norm_min=norm_min.astype(dtype),
+        norm=norm.astype(dtype),
+        scale=jnp.min(factors, initial=1.0).astype(dtype),
         clipped_tensors=clipped,
         **_stats.step_counts(state, finite=finite, clipped=clipped > 0))
     return _norm_clipping.scale_leaves(updates, factors), new_state

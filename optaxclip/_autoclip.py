@@ -13,19 +13,23 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxclip import _norm_clipping, _norms, _stats, _tree, _validation
+from optaxclip import _norm_clipping, _norms, _running_stats, _stats, _tree, _validation
 
 PyTree = Any
 
 
 class AutoClipState(NamedTuple):
-  """State of ``auto_clip``: a ring buffer of norms and scalar statistics."""
-  norms: jax.Array  # float32 [history]: past finite norms (ring buffer)
+  """State of ``auto_clip``: a ring buffer of norms and scalar statistics.
+
+  The float fields are float32, or float64 when x64 is on and ``init`` was
+  given float64 parameters.
+  """
+  norms: jax.Array  # float [history]: past finite norms (ring buffer)
   position: jax.Array  # int32: the slot the next norm is written to
   size: jax.Array  # int32: how many slots hold a norm (<= history)
-  norm: jax.Array  # float32: pre-clip global norm of the last update
-  threshold: jax.Array  # float32: the percentile the last update was clipped to
-  scale: jax.Array  # float32: factor applied last step (1.0 = not clipped)
+  norm: jax.Array  # float: pre-clip global norm of the last update
+  threshold: jax.Array  # float: the percentile the last update was clipped to
+  scale: jax.Array  # float: factor applied last step (1.0 = not clipped)
   count: jax.Array  # int32: steps seen
   clipped_count: jax.Array  # int32: steps with a finite norm and scale < 1
   nonfinite_count: jax.Array  # int32: steps whose norm was NaN or Inf
@@ -93,6 +97,16 @@ def auto_clip(percentile: Any = 10.0, *, history: int = 1000,
   of the state's hyperparameters), ``percentile`` is clamped to [0, 100] and
   a negative ``eps`` acts as 0 (NaN as 0 for both).
 
+  One finite norm of any size takes one rank of the history, and the
+  history forgets it after ``history`` steps, where the reference keeps
+  every norm for ever. So a norm 1e6 times the usual ones is clipped to a
+  usual norm whatever single outlier came before, as soon as the history
+  holds at least ``(300 - percentile) / (100 - percentile)`` norms (4 for
+  the paper's 10; the outlier and the spike then sit above the
+  percentile). The norms are kept in float32, or in float64 when x64 is on
+  and ``init`` is given float64 parameters (a float64 norm beyond
+  float32's range is then clipped, not taken for Inf).
+
   Args:
     percentile: the percentile of past norms to clip to, in [0, 100]; the
       paper uses 10.
@@ -132,12 +146,12 @@ def auto_clip(percentile: Any = 10.0, *, history: int = 1000,
   _validation.check_specs(fn, specs, axis_name)
 
   def init_fn(params):
-    del params
     length = _validation.require_buffer_size(fn, "history", size)
+    dtype = _running_stats.statistics_dtype(params)
     return AutoClipState(
-        norms=jnp.zeros([length], jnp.float32),
-        scale=jnp.ones([], jnp.float32),
-        **_stats.zeros(jnp.float32, "norm", "threshold"),
+        norms=jnp.zeros([length], dtype),
+        scale=jnp.ones([], dtype),
+        **_stats.zeros(dtype, "norm", "threshold"),
         **_stats.zeros(jnp.int32, "position", "size", "count", "clipped_count",
                        "nonfinite_count"))
 
@@ -146,7 +160,8 @@ def auto_clip(percentile: Any = 10.0, *, history: int = 1000,
     _validation.check_update(fn, updates, state, AutoClipState)
     reduction = _norms.make_reduction(fn, updates, axis_name, specs)
     leaves = _tree.clippable_leaves(updates)
-    norm = _norms.norm_of_leaves(leaves, 2, reduction).astype(jnp.float32)
+    dtype = state.norms.dtype  # the statistics' (see init), every step
+    norm = _norms.norm_of_leaves(leaves, 2, reduction).astype(dtype)
     finite = jnp.isfinite(norm)
     # The length comes from the state: under inject_hyperparams `history`
     # is traced here.
@@ -161,8 +176,8 @@ def auto_clip(percentile: Any = 10.0, *, history: int = 1000,
     new_state = AutoClipState(
         norms=norms, position=position.astype(jnp.int32),
         size=filled.astype(jnp.int32),
-        norm=norm, threshold=threshold.astype(jnp.float32),
-        scale=factor.astype(jnp.float32),
+        norm=norm, threshold=threshold.astype(dtype),
+        scale=factor.astype(dtype),
         **_stats.step_counts(state, finite=finite, clipped=factor < 1))
     return _norm_clipping.scale_leaves(updates, factor), new_state
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxclip import _nonfinite, _norms, _stats, _tree, _validation
+from optaxclip import _nonfinite, _norms, _running_stats, _stats, _tree, _validation
 
 PyTree = Any
 
@@ -28,10 +28,15 @@ PYTORCH_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ divides by norm + 1e-6
 
 
 class ClipState(NamedTuple):
-  """State of the norm-based clippers; every field is a scalar."""
-  norm: jax.Array  # float32: pre-clip norm of the last update (per-leaf
+  """State of the norm-based clippers; every field is a scalar.
+
+  The float fields are float32, or float64 when x64 is on and ``init`` was
+  given float64 parameters (so that a float64 norm beyond float32's range
+  is logged, not taken for Inf).
+  """
+  norm: jax.Array  # float: pre-clip norm of the last update (per-leaf
   #                  clippers: the largest leaf norm)
-  scale: jax.Array  # float32: factor applied last step (per leaf: smallest)
+  scale: jax.Array  # float: factor applied last step (per leaf: smallest)
   count: jax.Array  # int32: steps seen
   clipped_count: jax.Array  # int32: steps with a finite norm and scale < 1
   nonfinite_count: jax.Array  # int32: steps whose norm was NaN or Inf
@@ -44,9 +49,10 @@ def _summarize(state: ClipState) -> dict[str, jax.Array]:
 _stats.register(ClipState, "clip", _summarize)
 
 
-def init_clip_state() -> ClipState:
-  return ClipState(norm=jnp.zeros([], jnp.float32),
-                   scale=jnp.ones([], jnp.float32),
+def init_clip_state(params: PyTree = None) -> ClipState:
+  """A fresh ``ClipState``, its floats in the statistics dtype of ``params``."""
+  dtype = _running_stats.statistics_dtype(params)
+  return ClipState(norm=jnp.zeros([], dtype), scale=jnp.ones([], dtype),
                    **_stats.zeros(jnp.int32, "count", "clipped_count",
                                   "nonfinite_count"))
 
@@ -211,8 +217,7 @@ def _norm_clipper(fn: str, max_norm, p, eps, axis_name, specs, nonfinite, *,
   _validation.check_specs(fn, specs, axis_name)
 
   def init_fn(params):
-    del params
-    return init_clip_state()
+    return init_clip_state(params)
 
   def update_fn(updates, state, params=None):
     del params
@@ -231,7 +236,7 @@ def _norm_clipper(fn: str, max_norm, p, eps, axis_name, specs, nonfinite, *,
       clipped = _nonfinite.zero_if_nonfinite(clipped, finite)
       factor = jnp.where(finite, factor, 0)
     new_state = ClipState(
-        norm=norm.astype(jnp.float32), scale=factor.astype(jnp.float32),
+        norm=norm.astype(state.norm.dtype), scale=factor.astype(state.scale.dtype),
         **_stats.step_counts(state, finite=finite, clipped=factor < 1))
     return clipped, new_state
 
@@ -288,9 +293,9 @@ def clip_by_global_norm(max_norm: Any, *, ord: Any = 2, eps: Any = 0.0,
   A drop-in for ``optax.clip_by_global_norm`` (the same numbers with the
   defaults, to within a few float32 ulps: leaves are multiplied by the
   factor ``max_norm / norm``, computed once, where Optax divides each leaf
-  by the norm and multiplies by ``max_norm``) whose state keeps the pre-clip norm for logging (read it
-  with ``optaxclip.stats``), and which stays finite for finite gradients of
-  any magnitude and dtype. Like Optax's, its ``update`` accepts
+  by the norm and multiplies by ``max_norm``) whose state keeps the
+  pre-clip norm for logging (read it with ``optaxclip.stats``), and which
+  stays finite for finite gradients of any magnitude and dtype. Like Optax's, its ``update`` accepts
   ``state=None`` (as a fresh state).
 
   Hyperparameters injected with ``optax.inject_hyperparams`` are checked

@@ -14,7 +14,8 @@ not raise the bar for the next one), with bias correction so that they are
 exact weighted means from the first step: after ``n`` accepted norms
 ``g_0..g_{n-1}`` they are the mean and variance under weights
 ``ema_decay ** (n - 1 - i)``. Spikes are only looked for once
-``warmup_steps`` norms have been accepted.
+``warmup_steps`` norms have been accepted. One outlier cannot take the
+statistics over (see ``skip_step``).
 
 Everything is decided on the device: the inner update always runs and the
 results are selected with ``jnp.where``, so there is no host sync, no
@@ -28,14 +29,18 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxclip import _loss_scale, _norms, _stats, _tree, _validation
+from optaxclip import _loss_scale, _norms, _running_stats, _stats, _tree, _validation
 
 PyTree = Any
 
 
 class SkipStats(NamedTuple):
-  """The counters and statistics of ``skip_step``; every field is a scalar."""
-  norm: jax.Array  # float32: global norm of the last gradients (unscaled)
+  """The counters and statistics of ``skip_step``; every field is a scalar.
+
+  The float fields are float32, or float64 when x64 is on and ``init`` was
+  given float64 parameters.
+  """
+  norm: jax.Array  # float: global norm of the last gradients (unscaled)
   count: jax.Array  # int32: steps seen
   skipped_count: jax.Array  # int32: steps skipped, for any reason
   nonfinite_count: jax.Array  # int32: steps whose norm was NaN or Inf
@@ -43,8 +48,11 @@ class SkipStats(NamedTuple):
   zscore_count: jax.Array  # int32: finite steps with a z-score > zscore
   #                          (after warm-up); a step may count in both
   ema_count: jax.Array  # int32: accepted steps that fed the statistics
-  norm_mean: jax.Array  # float32: EMA of the accepted norms
-  norm_var: jax.Array  # float32: EMA of their squared deviation
+  #                        (since they last started again)
+  norm_mean: jax.Array  # float: EMA of the accepted norms
+  norm_var: jax.Array  # float: EMA of their squared deviation
+  stale_count: jax.Array  # int32: accepted norms in a row 100x below the
+  #                         mean (3 start the statistics again)
 
 
 class SkipState(NamedTuple):
@@ -55,34 +63,45 @@ class SkipState(NamedTuple):
 
 def _summarize(stats: SkipStats) -> dict[str, jax.Array]:
   rate = stats.skipped_count / jnp.maximum(stats.count, 1)
-  return {**stats._asdict(), "norm_std": jnp.sqrt(stats.norm_var),
+  fields = stats._asdict()
+  del fields["stale_count"]  # bookkeeping, not a statistic
+  return {**fields, "norm_std": _running_stats.safe_sqrt(stats.norm_var),
           "skip_rate": rate.astype(jnp.float32)}
 
 
 _stats.register(SkipStats, "skip", _summarize, clips=False)
 
 
-def _init_stats() -> SkipStats:
-  return SkipStats(**_stats.zeros(jnp.float32, "norm", "norm_mean", "norm_var"),
+def _init_stats(dtype: jnp.dtype) -> SkipStats:
+  return SkipStats(**_stats.zeros(dtype, "norm", "norm_mean", "norm_var"),
                    **_stats.zeros(jnp.int32, "count", "skipped_count",
                                   "nonfinite_count", "max_norm_count",
-                                  "zscore_count", "ema_count"))
+                                  "zscore_count", "ema_count", "stale_count"))
 
 
-def _moments(norm, mean, var, count, decay):
-  """The EMA mean and variance after one more accepted ``norm``.
+def _moments(stats: SkipStats, norm: jax.Array, accepted: jax.Array,
+             decay: Any) -> dict[str, jax.Array]:
+  """The statistics' fields after a step with ``norm``, fed if ``accepted``.
 
-  ``d = decay * (1 - decay**n) / (1 - decay**(n+1))`` with ``n`` norms seen
-  so far is the bias-corrected decay (Shazeer & Stern 2018, sec. 7.1): 0 for
-  the first norm, so the statistics never depend on their initial value.
-  The variance uses the incremental form ``d * (var + (1 - d) * delta**2)``,
-  free of the cancellation of ``E[g**2] - E[g]**2``.
+  The bias-corrected EMA (``_running_stats.bias_corrected_decay``) of the
+  norm, at most ``OUTLIER_RATIO`` times the mean (winsorized), and of its
+  squared deviation. ``RESTART_AFTER`` accepted norms in a row more than
+  ``OUTLIER_RATIO`` times below the mean (stale statistics: an outlier was
+  the first norm) start the statistics again from the last norm.
   """
-  decay = jnp.asarray(decay, jnp.float32)
-  n = count.astype(jnp.float32)
-  d = decay * (1 - decay**n) / (1 - decay**(n + 1))
-  delta = norm - mean
-  return mean + (1 - d) * delta, d * (var + (1 - d) * delta * delta)
+  d = _running_stats.bias_corrected_decay(
+      jnp.asarray(decay, stats.norm_mean.dtype), stats.ema_count)
+  fed = _running_stats.capped(norm, stats.norm_mean)
+  mean, var = _running_stats.ema(stats.norm_mean, stats.norm_var, fed, d)
+  stale, restart = _running_stats.stale_streak(
+      stats.stale_count, norm, stats.norm_mean, accepted)
+  return {"norm_mean": jnp.where(restart, norm,
+                                 jnp.where(accepted, mean, stats.norm_mean)),
+          "norm_var": jnp.where(restart, 0,
+                                jnp.where(accepted, var, stats.norm_var)),
+          "ema_count": jnp.where(restart, 1,
+                                 _stats.count_if(accepted, stats.ema_count)),
+          "stale_count": stale}
 
 
 def _keep_unless_loss_scale(skip: jax.Array, new: PyTree, old: PyTree) -> PyTree:
@@ -137,6 +156,22 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
   acts as 0 (every finite step with a positive norm, or above the mean, is
   skipped), ``ema_decay`` is clamped to [0, 1), ``warmup_steps`` to at least
   0 (NaN as 0 for all of them) and an ``ord`` that is not > 0 acts as 2.
+
+  One outlier cannot take the statistics over, unlike in a plain EMA (and
+  the references), where one accepted norm of 2e19 makes the variance
+  overflow and one of 1e10 keeps every spike below the bar for thousands of
+  steps: a norm counts in the EMA as at most 100 times the mean
+  (winsorized; ordinary norms count in full), the variance saturates at
+  the largest float, and 3 accepted norms in a row more than 100 times
+  below the mean (as after an outlier that was the first norm) start the
+  statistics again, ``ema_count`` included. So after one finite norm of any
+  size, at any step, a norm 1e6 times the usual ones is skipped again at
+  most ``3 + max(warmup_steps, 1)`` steps later (at once when it came after
+  the warm-up: the z-score test then skips it without feeding it).
+
+  The statistics are float32, or float64 when x64 is on and ``init`` is
+  given float64 parameters (a float64 norm beyond float32's range is then
+  measured, not taken for Inf).
 
   Args:
     inner: the optimizer whose steps may be skipped.
@@ -202,7 +237,8 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
     inner_state = inner.init(params)
     _loss_scale.check_placement(inner_state, f"{fn}(inner=...).init",
                                 "inner_state")
-    return SkipState(stats=_init_stats(), inner_state=inner_state)
+    return SkipState(stats=_init_stats(_running_stats.statistics_dtype(params)),
+                     inner_state=inner_state)
 
   def update_fn(updates, state, params=None, **extra_args):
     _validation.check_update(fn, updates, state, SkipState)
@@ -211,21 +247,23 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
     leaves = _tree.clippable_leaves(updates)
     # NaN or Inf in any leaf and only then: the norm is overflow-safe, so
     # its finiteness is the gradients' (one pass for both questions).
-    norm = _norms.norm_of_leaves(leaves, p, reduction).astype(jnp.float32)
+    dtype = stats.norm.dtype  # the statistics' (see init), every step
+    norm = _norms.norm_of_leaves(leaves, p, reduction).astype(dtype)
     loss_scales = _loss_scale.find_loss_scale_states(state.inner_state)
     if loss_scales:  # the input is scaled: judge the unscaled gradients
-      norm = norm / loss_scales[0].scale
+      norm = (norm / loss_scales[0].scale).astype(dtype)
     finite = jnp.isfinite(norm)
 
     skip = jnp.logical_not(finite) if nonfinite else jnp.bool_(False)
     too_large = jnp.bool_(False)
     if max_norm is not None:
-      too_large = finite & (norm > jnp.asarray(max_norm, jnp.float32))
+      too_large = finite & (norm > jnp.asarray(max_norm, dtype))
       skip = skip | too_large
     spike = jnp.bool_(False)
     if zscore is not None:
       active = stats.ema_count >= jnp.maximum(warmup_steps, 1)
-      limit = jnp.asarray(zscore, jnp.float32) * jnp.sqrt(stats.norm_var)
+      limit = (jnp.asarray(zscore, dtype) *
+               _running_stats.safe_sqrt(stats.norm_var))
       spike = finite & active & (norm - stats.norm_mean > limit)
       skip = skip | spike
     accepted = finite & ~skip
@@ -236,8 +274,6 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
         lambda u: jnp.where(skip, jnp.zeros_like(u), u), new_updates)
     new_inner = _keep_unless_loss_scale(skip, new_inner, state.inner_state)
 
-    mean, var = _moments(norm, stats.norm_mean, stats.norm_var,
-                         stats.ema_count, ema_decay)
     count_if = _stats.count_if
     new_stats = SkipStats(
         norm=norm,
@@ -246,9 +282,7 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
         nonfinite_count=count_if(~finite, stats.nonfinite_count),
         max_norm_count=count_if(too_large, stats.max_norm_count),
         zscore_count=count_if(spike, stats.zscore_count),
-        ema_count=count_if(accepted, stats.ema_count),
-        norm_mean=jnp.where(accepted, mean, stats.norm_mean),
-        norm_var=jnp.where(accepted, var, stats.norm_var))
+        **_moments(stats, norm, accepted, ema_decay))
     return new_updates, SkipState(stats=new_stats, inner_state=new_inner)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

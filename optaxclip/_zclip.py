@@ -7,7 +7,8 @@ population variance then start exponential moving averages. Afterwards a norm
 spike, clipped to a threshold computed from the EMA, and the EMA is fed the
 threshold instead of the spike. The numbers follow the reference
 implementation (github.com/bluorion-com/ZClip), including its clip
-coefficient ``threshold / (g + 1e-6)``, applied when ``g > threshold``.
+coefficient ``threshold / (g + 1e-6)``, applied when ``g > threshold``,
+except after one outlier in the warm-up (see ``zclip``).
 """
 
 from typing import Any, NamedTuple
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxclip import _norm_clipping, _norms, _stats, _tree, _validation
+from optaxclip import _norm_clipping, _norms, _running_stats, _stats, _tree, _validation
 
 PyTree = Any
 
@@ -28,26 +29,32 @@ COEFFICIENT_EPS = 1e-6
 
 
 class ZClipState(NamedTuple):
-  """State of ``zclip``: the warm-up buffer, the EMA and statistics."""
-  mean: jax.Array  # float32: EMA of the norm (0 until warm-up ends)
-  var: jax.Array  # float32: EMA of the squared deviation from the mean
-  warmup_norms: jax.Array  # float32 [warmup_steps]: norms seen in warm-up
+  """State of ``zclip``: the warm-up buffer, the EMA and statistics.
+
+  The float fields are float32, or float64 when x64 is on and ``init`` was
+  given float64 parameters.
+  """
+  mean: jax.Array  # float: EMA of the norm (0 until warm-up ends)
+  var: jax.Array  # float: EMA of the squared deviation from the mean
+  warmup_norms: jax.Array  # float [warmup_steps]: norms seen in warm-up
   collected: jax.Array  # int32: finite norms collected; warm-up ends when
   #                       it reaches warmup_steps
-  norm: jax.Array  # float32: pre-clip global norm of the last update
-  z: jax.Array  # float32: z-score of the last norm (0 during warm-up)
-  threshold: jax.Array  # float32: norm the last update was clipped to (the
+  norm: jax.Array  # float: pre-clip global norm of the last update
+  z: jax.Array  # float: z-score of the last norm (0 during warm-up)
+  threshold: jax.Array  # float: norm the last update was clipped to (the
   #                       norm itself when nothing applied)
-  scale: jax.Array  # float32: factor applied last step (1.0 = not clipped)
+  scale: jax.Array  # float: factor applied last step (1.0 = not clipped)
   count: jax.Array  # int32: steps seen
   clipped_count: jax.Array  # int32: steps with a finite norm and scale < 1
   spike_count: jax.Array  # int32: steps detected as spikes (after warm-up)
   nonfinite_count: jax.Array  # int32: steps whose norm was NaN or Inf
+  stale_count: jax.Array  # int32: finite norms in a row, after warm-up,
+  #                         100x below the mean (3 start a new warm-up)
 
 
 def _summarize(state: ZClipState) -> dict[str, jax.Array]:
   return {"norm": state.norm, "mean": state.mean,
-          "std": jnp.sqrt(state.var), "z": state.z,
+          "std": _running_stats.safe_sqrt(state.var), "z": state.z,
           "threshold": state.threshold, "scale": state.scale,
           "count": state.count, "clipped_count": state.clipped_count,
           "spike_count": state.spike_count,
@@ -94,10 +101,34 @@ def zclip(*, alpha: Any = 0.97, z_thresh: Any = 2.5,
   spike's threshold (not capped) or with ``g``; with
   ``skip_update_on_spike`` spikes leave it unchanged.
 
-  Same defaults and numbers as the reference implementation. One
-  difference: a NaN or Inf norm, which propagates into the update as in the
-  reference, is kept out of the warm-up buffer and the EMA (in the
-  reference it poisons every later step) and counted in ``nonfinite_count``.
+  Same defaults and numbers as the reference implementation, but for
+  inputs that break the reference:
+
+  - a NaN or Inf norm, which propagates into the update as in the
+    reference, is kept out of the warm-up buffer and the EMA (in the
+    reference it poisons every later step) and counted in
+    ``nonfinite_count``;
+  - one huge finite norm: in the reference, one norm of 2e19 in the
+    warm-up makes the variance overflow, and one of 1e10 hides every spike
+    for hundreds of steps. Here the warm-up's mean and variance leave out
+    norms more than 100 times the median of the warm-up norms (none when
+    that median is 0); after the warm-up the EMA is fed at most the spike
+    threshold, as in the reference; and 3 finite norms in a row more than
+    100 times below the EMA's mean (an outlier the warm-up could not single
+    out, with ``warmup_steps <= 2``) start a new warm-up. So one finite
+    norm of any size, at any step, moves the statistics by a bounded
+    amount: a norm 1e6 times the usual ones is a spike again at the next
+    step when the outlier came after the warm-up, and otherwise from the
+    warm-up's end when ``warmup_steps >= 3``, or from step
+    ``2 * warmup_steps + 3`` (counting from 0). The variance saturates at
+    the largest float rather than overflowing: the statistics stay finite
+    (only ``z``, the last norm's score, may be ``+inf``);
+  - the gradient of the updates through ``std`` is finite when the variance
+    is 0 (all warm-up norms equal).
+
+  The statistics are float32, or float64 when x64 is on and ``init`` is
+  given float64 parameters (a float64 norm beyond float32's range is then
+  clipped, not taken for Inf).
 
   Injected with ``optax.inject_hyperparams``, the hyperparameters are
   checked when ``init`` runs eagerly; traced (a jitted update after a change
@@ -160,18 +191,18 @@ def zclip(*, alpha: Any = 0.97, z_thresh: Any = 2.5,
   _validation.check_specs(fn, specs, axis_name)
 
   def init_fn(params):
-    del params
     length = _validation.require_buffer_size(fn, "warmup_steps", size)
+    dtype = _running_stats.statistics_dtype(params)
     return ZClipState(
-        warmup_norms=jnp.zeros([length], jnp.float32),
-        scale=jnp.ones([], jnp.float32),
-        **_stats.zeros(jnp.float32, "mean", "var", "norm", "z", "threshold"),
+        warmup_norms=jnp.zeros([length], dtype),
+        scale=jnp.ones([], dtype),
+        **_stats.zeros(dtype, "mean", "var", "norm", "z", "threshold"),
         **_stats.zeros(jnp.int32, "collected", "count", "clipped_count",
-                       "spike_count", "nonfinite_count"))
+                       "spike_count", "nonfinite_count", "stale_count"))
 
   def spike_threshold(norm, mean, std, z):
     """Whether ``norm`` is a spike, and the threshold it is cut to."""
-    z_limit = jnp.asarray(z_thresh, jnp.float32)
+    z_limit = jnp.asarray(z_thresh, norm.dtype)
     if mode == "percentile":
       limit = mean + z_limit * std
       return norm > limit, limit
@@ -181,16 +212,17 @@ def zclip(*, alpha: Any = 0.97, z_thresh: Any = 2.5,
     # clip_factor; z > z_thresh >= 0 wherever it is used.
     eta = _safe_divide(z, z_limit, jnp.inf)
     limit = mean + _safe_divide(z_limit * std, eta, 0.0)
-    return z > z_limit, limit * jnp.asarray(clip_factor, jnp.float32)
+    return z > z_limit, limit * jnp.asarray(clip_factor, norm.dtype)
 
   def update_fn(updates, state, params=None):
     del params
     _validation.check_update(fn, updates, state, ZClipState)
     reduction = _norms.make_reduction(fn, updates, axis_name, specs)
     leaves = _tree.clippable_leaves(updates)
-    norm = _norms.norm_of_leaves(leaves, 2, reduction).astype(jnp.float32)
+    dtype = state.mean.dtype  # the statistics' (see init), every step
+    norm = _norms.norm_of_leaves(leaves, 2, reduction).astype(dtype)
     finite = jnp.isfinite(norm)
-    a = jnp.asarray(alpha, jnp.float32)
+    a = jnp.asarray(alpha, dtype)
 
     # Warm-up: collect the norm; the buffer's length is warmup_steps (read
     # from the state: under inject_hyperparams the argument is traced here).
@@ -202,49 +234,52 @@ def zclip(*, alpha: Any = 0.97, z_thresh: Any = 2.5,
                        state.warmup_norms)
     collected = state.collected + collect.astype(jnp.int32)
     starts = warming & (collected >= length)
-    first_mean = jnp.mean(buffer)
-    first_var = jnp.mean(jnp.square(buffer - first_mean))
+    # Only the last warm-up step needs them (and pays for the median).
+    first_mean, first_var = jax.lax.cond(
+        starts, _running_stats.robust_moments, lambda b: (state.mean, state.var),
+        buffer)
 
     # After warm-up: z-score against the EMA.
-    std = jnp.sqrt(jnp.maximum(state.var, 0))
+    std = _running_stats.safe_sqrt(state.var)
     deviation = norm - state.mean
-    z = _safe_divide(deviation, std + jnp.asarray(eps, jnp.float32),
+    z = _safe_divide(deviation, std + jnp.asarray(eps, dtype),
                      jnp.where(deviation > 0, jnp.inf, 0.0))
     spike, limit = spike_threshold(norm, state.mean, std, z)
     spike = spike & ~warming
     threshold = jnp.where(spike, limit, norm)
     if max_grad_norm is not None:
-      threshold = jnp.minimum(threshold,
-                              jnp.asarray(max_grad_norm, jnp.float32))
+      threshold = jnp.minimum(threshold, jnp.asarray(max_grad_norm, dtype))
     coefficient = _safe_divide(threshold, norm + COEFFICIENT_EPS, 1.0)
     factor = jnp.where(norm > threshold, coefficient, 1.0)
     if max_grad_norm is not None:  # warm-up: torch's clip_grad_norm_
       warm_factor = _norm_clipping.clip_factor(norm, max_grad_norm,
                                                COEFFICIENT_EPS)
     else:
-      warm_factor = jnp.ones([], jnp.float32)
+      warm_factor = jnp.ones([], dtype)
     factor = jnp.where(warming, warm_factor, factor)
 
-    # EMA: mean first, then the variance around the new mean. The new
-    # deviation observed - mean is alpha * (observed - old mean), written so
-    # to avoid a cancellation when the norm sits near the mean.
+    # EMA: mean first, then the variance around the new mean (ZClip's).
     observed = jnp.where(spike, limit, norm)
-    mean = a * state.mean + (1 - a) * observed
-    var = a * state.var + (1 - a) * jnp.square(a * (observed - state.mean))
+    mean, var = _running_stats.ema(state.mean, state.var, observed, a,
+                                   zclip=True)
     tracks = ~warming & finite
     if skip_update_on_spike:
       tracks = tracks & ~spike
     mean = jnp.where(starts, first_mean, jnp.where(tracks, mean, state.mean))
     var = jnp.where(starts, first_var, jnp.where(tracks, var, state.var))
+    # Statistics that ordinary norms find far above them: warm up again.
+    stale, restart = _running_stats.stale_streak(
+        state.stale_count, norm, state.mean, ~warming & finite)
+    mean, var = jnp.where(restart, 0, mean), jnp.where(restart, 0, var)
 
     new_state = ZClipState(
-        mean=mean.astype(jnp.float32), var=var.astype(jnp.float32),
-        warmup_norms=buffer.astype(jnp.float32),
-        collected=collected.astype(jnp.int32),
-        norm=norm, z=jnp.where(warming, 0.0, z).astype(jnp.float32),
-        threshold=threshold.astype(jnp.float32),
-        scale=factor.astype(jnp.float32),
+        mean=mean.astype(dtype), var=var.astype(dtype),
+        warmup_norms=buffer.astype(dtype),
+        collected=jnp.where(restart, 0, collected).astype(jnp.int32),
+        norm=norm, z=jnp.where(warming, 0.0, z).astype(dtype),
+        threshold=threshold.astype(dtype), scale=factor.astype(dtype),
         spike_count=_stats.count_if(spike, state.spike_count),
+        stale_count=stale,
         **_stats.step_counts(state, finite=finite, clipped=factor < 1))
     return _norm_clipping.scale_leaves(updates, factor), new_state
 

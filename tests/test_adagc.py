@@ -12,6 +12,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from outliers import (
+  OUTLIER_SIZES,
+  SPIKE,
+  assert_finite,
+  gradients_through_updates,
+  ordinary_norms,
+  outlier_step,
+  scan_of,
+)
 from test_autoclip import STEPS, Largest, f64_leaves
 from test_contract import tree_like, warm
 
@@ -162,3 +173,54 @@ def test_shard_map_tensor_norms_are_global():
     expected, local_state = jax.jit(local.update)(tree, local_state)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5),
                  (out, state), (expected, local_state))
+
+
+# --------------------------------------------------------------------------
+# One outlier step of any size must not set the thresholds (the paper's
+# warm-up minimum takes it in, and gamma then rises 0.1% a step), and
+# gradients through the statistics stay finite.
+
+ADAGC_WARMUP, ADAGC_STEPS = 6, 14
+ADAGC = adagc(warmup_steps=ADAGC_WARMUP)
+
+
+def two_tensor_steps(outlier_at=None, size=1.0, spike_at=ADAGC_STEPS - 1):
+  """Tensor "w" (norm ~1) and "b" (norm ~0.5) over ADAGC_STEPS steps; "b"
+  times ``size`` at ``outlier_at``, "w" times SPIKE at ``spike_at``."""
+  rng = np.random.default_rng(5)
+  w = rng.normal(size=(ADAGC_STEPS, 8))
+  b = rng.normal(size=(ADAGC_STEPS, 4))
+  w *= (ordinary_norms(ADAGC_STEPS, 1) / np.linalg.norm(w, axis=1))[:, None]
+  b *= (0.5 * ordinary_norms(ADAGC_STEPS, 2) / np.linalg.norm(b, axis=1))[:, None]
+  if outlier_at is not None:
+    b[outlier_at] *= size
+  w[spike_at] *= SPIKE
+  return {"b": jnp.asarray(b, jnp.float32), "w": jnp.asarray(w, jnp.float32)}
+
+
+@pytest.mark.parametrize("where", ["first", "warm-up", "after"])
+@settings(max_examples=6, deadline=None)
+@given(size=st.floats(1e3, 3e38))
+@example(size=OUTLIER_SIZES[0]).via("the sizes of the issue")
+@example(size=OUTLIER_SIZES[1]).via("the sizes of the issue")
+@example(size=OUTLIER_SIZES[2]).via("the sizes of the issue")
+@example(size=OUTLIER_SIZES[3]).via("the sizes of the issue")
+def test_one_outlier_of_any_size_does_not_set_the_thresholds(where, size):
+  at = outlier_step(where, ADAGC_WARMUP)
+  run = scan_of(ADAGC)
+  updates, states = run(two_tensor_steps(at, size))
+  _, clean = run(two_tensor_steps())
+  assert_finite(states.gamma, states.norm_min, states.norm, states.scale)
+  # From the end of the warm-up, every threshold is within 2x of the one
+  # the same steps give without the outlier.
+  ratio = np.asarray(states.gamma / clean.gamma)[ADAGC_WARMUP:]
+  assert np.all((ratio > 0.5) & (ratio < 2)), ratio
+  # And the spike in "w" (the last step) is cut to 1.05 * gamma_w.
+  spike = float(np.linalg.norm(np.asarray(updates["w"][-1], np.float64)))
+  assert spike <= 1.05 * float(states.gamma[-2, 1]) * (1 + 1e-5)
+
+
+def test_gradient_is_finite_at_zero_and_after_a_constant_history():
+  tx = adagc(warmup_steps=2, eps=1e-6)
+  for history, grads in gradients_through_updates(tx).items():
+    assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads)), history

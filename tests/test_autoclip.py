@@ -12,8 +12,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from outliers import (
+  OUTLIER_SIZES,
+  assert_finite,
+  gradients_through_updates,
+  norms_with_outlier,
+  scan_of,
+  trees_with_norms,
+)
 from test_contract import tree_like, warm
 
 import optaxclip as oc
@@ -222,3 +230,34 @@ def test_shard_map_norm_is_global():
   np.testing.assert_allclose(state.norm, expected_state.norm, rtol=1e-6)
   np.testing.assert_allclose(state.threshold, expected_state.threshold, rtol=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), out, expected)
+
+
+# --------------------------------------------------------------------------
+# One outlier of any size takes one rank of the history: spikes are still
+# clipped, and gradients through the history stay finite.
+
+AUTO_CLIPS = {p: auto_clip(p, history=32) for p in (10.0, 90.0)}
+
+
+@pytest.mark.parametrize("percentile", list(AUTO_CLIPS))
+@pytest.mark.parametrize("at", [0, 5, 25])
+@settings(max_examples=6, deadline=None)
+@given(size=st.floats(1e3, 3e38))
+@example(size=OUTLIER_SIZES[0]).via("the sizes of the issue")
+@example(size=OUTLIER_SIZES[1]).via("the sizes of the issue")
+@example(size=OUTLIER_SIZES[2]).via("the sizes of the issue")
+@example(size=OUTLIER_SIZES[3]).via("the sizes of the issue")
+def test_one_outlier_of_any_size_takes_one_rank_of_the_history(percentile, at, size):
+  # The bound of auto_clip's docstring: (300 - p) / (100 - p) norms held.
+  probe = max(at + 1, int(np.ceil((300 - percentile) / (100 - percentile))) - 1)
+  _, states = scan_of(AUTO_CLIPS[percentile])(trees_with_norms(
+      norms_with_outlier(size, at, probe)))
+  assert_finite(states.norms, states.norm, states.threshold, states.scale)
+  assert float(states.threshold[probe]) < 2.0  # among the usual norms
+  assert float(states.scale[probe]) < 1e-5
+
+
+def test_gradient_is_finite_at_zero_and_after_a_constant_history():
+  tx = auto_clip(50.0, history=4)
+  for history, grads in gradients_through_updates(tx).items():
+    assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads)), history

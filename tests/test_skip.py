@@ -8,9 +8,20 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from jax import shard_map
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from outliers import (
+  OUTLIER_SIZES,
+  assert_finite,
+  gradients_through_updates,
+  norms_with_outlier,
+  outlier_step,
+  scan_of,
+  trees_with_norms,
+)
 
 import optaxclip as oc
 from optaxclip._skip import skip_step
@@ -272,3 +283,50 @@ def test_finite_at_zero():
   assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(out))
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state))
   assert int(state.stats.skipped_count) == 0 and int(state.stats.ema_count) == 4
+
+
+# --------------------------------------------------------------------------
+# One outlier of any size must not disable the z-score test (in a plain EMA
+# its square overflows the variance, or its weight hides every spike for
+# thousands of steps), and gradients through the statistics stay finite.
+
+SKIPS = {w: skip_step(optax.sgd(1.0), zscore=6.0, warmup_steps=w) for w in (1, 5)}
+
+
+@pytest.mark.parametrize("warmup", list(SKIPS))
+@pytest.mark.parametrize("where", ["first", "warm-up", "after"])
+@settings(max_examples=6, deadline=None)
+@given(size=st.floats(1e3, 3e38))
+@example(size=OUTLIER_SIZES[0]).via("the sizes of the issue")
+@example(size=OUTLIER_SIZES[1]).via("the sizes of the issue")
+@example(size=OUTLIER_SIZES[2]).via("the sizes of the issue")
+@example(size=OUTLIER_SIZES[3]).via("the sizes of the issue")
+def test_one_outlier_of_any_size_does_not_disable_the_zscore_test(
+    warmup, where, size):
+  at = outlier_step(where, warmup)
+  # The bound of skip_step's docstring.
+  probe = at + 1 if at >= warmup else at + 3 + max(warmup, 1)
+  updates, states = scan_of(SKIPS[warmup])(trees_with_norms(
+      norms_with_outlier(size, at, probe)))
+  stats = states.stats
+  assert_finite(stats.norm, stats.norm_mean, stats.norm_var)
+  spikes = np.diff(np.concatenate([[0], stats.zscore_count]))
+  assert spikes[probe] == 1, (spikes, stats.norm_mean, stats.norm_var)
+  assert all(np.all(np.asarray(u[probe]) == 0) for u in jax.tree.leaves(updates))
+
+
+@pytest.mark.parametrize("kwargs", [{"zscore": 2.0, "warmup_steps": 2},
+                                    {"zscore": 0.0, "max_norm": 1.0}])
+def test_gradient_is_finite_at_zero_and_after_a_constant_history(kwargs):
+  # (Not adam: optax.adam itself has a NaN gradient at zero gradients.)
+  tx = skip_step(optax.sgd(0.1, momentum=0.9), **kwargs)
+  for history, grads in gradients_through_updates(tx).items():
+    assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads)), history
+
+
+def test_stats_std_has_a_finite_gradient_at_a_zero_variance():
+  tx = skip_step(optax.sgd(1.0), zscore=3.0)
+  state = tx.init(PARAMS)
+  std = lambda var: oc.stats(state._replace(
+      stats=state.stats._replace(norm_var=var)))["skip/norm_std"]
+  assert float(jax.grad(std)(jnp.float32(0.0))) == 0.0

@@ -8,12 +8,22 @@ norms in a list (clipped by ``torch.nn.utils.clip_grad_norm_`` at
 relative differences.
 """
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from outliers import (
+  OUTLIER_SIZES,
+  assert_finite,
+  gradients_through_updates,
+  norms_with_outlier,
+  outlier_step,
+  scan_of,
+  trees_with_norms,
+)
 from test_autoclip import Largest, f64_leaves, gradient_steps, norm_sequence
 from test_contract import tree_like, warm
 
@@ -163,3 +173,53 @@ def test_stats_report_threshold_norm_and_counts():
       "clipped_count", "spike_count", "nonfinite_count", "clip_rate")}
   assert int(found["zclip/count"]) == 3 and float(found["zclip/mean"]) > 0
   assert all(v.shape == () for v in found.values())
+
+
+# --------------------------------------------------------------------------
+# One outlier of any size must not disable spike detection (the reference's
+# statistics overflow or stay dominated by it), and gradients through the
+# statistics stay finite.
+
+ZCLIPS = {w: zclip(warmup_steps=w, max_grad_norm=None) for w in (1, 2, 5)}
+
+
+@pytest.mark.parametrize("warmup", list(ZCLIPS))
+@pytest.mark.parametrize("where", ["first", "warm-up", "after"])
+@settings(max_examples=6, deadline=None)
+@given(size=st.floats(1e3, 3e38))
+@example(size=OUTLIER_SIZES[0]).via("the sizes of the issue")
+@example(size=OUTLIER_SIZES[1]).via("the sizes of the issue")
+@example(size=OUTLIER_SIZES[2]).via("the sizes of the issue")
+@example(size=OUTLIER_SIZES[3]).via("the sizes of the issue")
+def test_one_outlier_of_any_size_does_not_disable_spike_detection(
+    warmup, where, size):
+  at = outlier_step(where, warmup)
+  # The bound of zclip's docstring.
+  if at >= warmup:
+    probe = at + 1
+  elif warmup >= 3:
+    probe = warmup
+  else:
+    probe = 2 * warmup + 3
+  _, states = scan_of(ZCLIPS[warmup])(trees_with_norms(
+      norms_with_outlier(size, at, probe)))
+  assert_finite(states.mean, states.var, states.warmup_norms, states.norm,
+                states.threshold, states.scale)
+  spikes = np.diff(np.concatenate([[0], states.spike_count]))
+  assert spikes[probe] == 1, (spikes, states.mean, states.var)
+  assert float(states.scale[probe]) < 1e-4
+
+
+ZCLIP_GRADIENT_CONFIGS = [
+    {}, {"max_grad_norm": None, "eps": 0.0},
+    {"max_grad_norm": None, "mode": "percentile"},
+    {"max_grad_norm": None, "clip_option": "mean",
+     "skip_update_on_spike": True}]
+
+
+@pytest.mark.parametrize("config", range(len(ZCLIP_GRADIENT_CONFIGS)))
+def test_gradient_is_finite_at_zero_and_after_a_constant_history(config):
+  # The warm-up's variance is 0: the reference's sqrt has an infinite slope.
+  tx = zclip(warmup_steps=3, **ZCLIP_GRADIENT_CONFIGS[config])
+  for history, grads in gradients_through_updates(tx).items():
+    assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads)), history
