@@ -16,13 +16,25 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import optaxclip as oc
 from benchmarks import _candidates
+
+
+class NoBuildWithoutRescue(RuntimeError):
+  """The library changed: the build without the rescue branch cannot be made."""
+
+
+_without_rescue = False  # whether this process patched the rescue branch out
 
 
 def bytes_accessed(fn: Callable[..., Any], *args: Any) -> float:
   """XLA's `bytes accessed` for `jax.jit(fn)` compiled for `args`."""
-  analysis = jax.jit(fn).lower(*args).compile().cost_analysis()
+  compiled = jax.jit(fn).lower(*args).compile()
+  if _without_rescue and " conditional(" in compiled.as_text():  # the HLO op
+    raise NoBuildWithoutRescue(
+        "benchmarks/_cost.py: a program still has a conditional after patching "
+        "`_norms._rescued_square_root`: the rescue is built elsewhere now; "
+        "update without_rescue_branch()")
+  analysis = compiled.cost_analysis()
   if isinstance(analysis, list):  # older jax: one dict per computation
     analysis = analysis[0]
   return float(analysis["bytes accessed"])
@@ -70,11 +82,6 @@ def traffic(clip_names: list[str], trees: dict[str, Any], *, rescue: bool = True
   return results
 
 
-def _has_conditional() -> bool:
-  compiled = jax.jit(oc.functional.global_norm).lower([jnp.zeros(4)]).compile()
-  return " conditional(" in compiled.as_text()  # the HLO op, not a name
-
-
 def without_rescue_branch() -> None:
   """Replaces the norm's overflow rescue by its untaken side, in this process.
 
@@ -82,20 +89,18 @@ def without_rescue_branch() -> None:
   rescue runs only when the plain sum of squares overflows or underflows; a
   build without it measures the rescue's share of the traffic. A stopgap
   through the private `_norms._rescued_square_root` until the library has a
-  hook for it, so it checks that the conditional is gone and raises
-  otherwise. Call it only in a fresh process: the norms are jit-cached (and
-  `jax.clear_caches()` does not reliably drop them), and nothing else should
-  run with a patched library.
+  hook for it: every program compiled afterwards is checked to have no
+  conditional left (`bytes_accessed` raises otherwise). Call it only in a
+  fresh process: the norms are jit-cached (and `jax.clear_caches()` does not
+  reliably drop them), and nothing else should run with a patched library.
   """
   from optaxclip import _norms
   if not hasattr(_norms, "_rescued_square_root") or not hasattr(_norms, "safe_root"):
-    raise RuntimeError(
+    raise NoBuildWithoutRescue(
         "benchmarks/_cost.py: optaxclip._norms no longer has `_rescued_square_root` "
         "(or `safe_root`): the build without the rescue branch cannot be made; "
         "update without_rescue_branch() to the library's new hook")
+  # The branch's untaken side: the plain sums, with the rescue scale 1.
   _norms._rescued_square_root = lambda sums, floor, resum: _norms.safe_root(sums, 2)
-  if _has_conditional():
-    raise RuntimeError(
-        "benchmarks/_cost.py: patching `_norms._rescued_square_root` left the "
-        "global norm's lax.cond in place: the rescue is built elsewhere now; "
-        "update without_rescue_branch()")
+  global _without_rescue
+  _without_rescue = True
