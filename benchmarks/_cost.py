@@ -13,10 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 
-from benchmarks import _candidates
+from benchmarks import _candidates, _trees
 
 
 class NoBuildWithoutRescue(RuntimeError):
@@ -40,20 +39,16 @@ def bytes_accessed(fn: Callable[..., Any], *args: Any) -> float:
   return float(analysis["bytes accessed"])
 
 
-def tree_bytes(tree: Any) -> int:
-  return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
-
-
 def alone(tx: optax.GradientTransformation, grads: Any) -> float:
   """Passes over `grads` of `jit(tx.update)(grads, state)`."""
-  return bytes_accessed(tx.update, grads, jax.eval_shape(tx.init, grads)) / tree_bytes(grads)
+  return bytes_accessed(tx.update, grads, jax.eval_shape(tx.init, grads)) / _trees.tree_bytes(grads)
 
 
 def step(clip: optax.GradientTransformation | None, grads: Any) -> float:
   """Passes over `grads` of a whole AdamW step after `clip` (None: no clip),
   with parameters shaped as `grads`."""
   tx, fn = _candidates.adamw_step(clip)
-  return bytes_accessed(fn, grads, jax.eval_shape(tx.init, grads), grads) / tree_bytes(grads)
+  return bytes_accessed(fn, grads, jax.eval_shape(tx.init, grads), grads) / _trees.tree_bytes(grads)
 
 
 def traffic(clip_names: list[str], trees: dict[str, Any], *, rescue: bool = True
@@ -73,7 +68,7 @@ def traffic(clip_names: list[str], trees: dict[str, Any], *, rescue: bool = True
   results = {}
   for tree_name, grads in trees.items():
     adamw = step(None, grads)
-    result: dict[str, Any] = {"tree_bytes": tree_bytes(grads), "adamw step": adamw}
+    result: dict[str, Any] = {"tree_bytes": _trees.tree_bytes(grads), "adamw step": adamw}
     for name in clip_names:
       clip = _candidates.CLIPS[name]
       result[name] = {"alone": alone(clip(), grads),
