@@ -86,8 +86,7 @@ def without_rescue_branch() -> None:
   through the private `_norms._rescued_square_root` until the library has a
   hook for it: every program compiled afterwards is checked to have no
   conditional left (`bytes_accessed` raises otherwise). Call it only in a
-  fresh process: the norms are jit-cached (and `jax.clear_caches()` does not
-  reliably drop them), and nothing else should run with a patched library.
+  fresh process: nothing else should run with a patched library.
   """
   from optaxclip import _norms
   if not hasattr(_norms, "_rescued_square_root") or not hasattr(_norms, "safe_root"):
@@ -97,5 +96,6 @@ def without_rescue_branch() -> None:
         "update without_rescue_branch() to the library's new hook")
   # The branch's untaken side: the plain sums, with the rescue scale 1.
   _norms._rescued_square_root = lambda sums, floor, resum: _norms.safe_root(sums, 2)
+  jax.clear_caches()  # the norms are jit-cached: none traced before may stay
   global _without_rescue
   _without_rescue = True
