@@ -1,4 +1,9 @@
-"""Results: the data each target returns, the markdown report and the plots."""
+"""The report: what a target's numbers become (checks, tables, plots), and
+the markdown, PNG and JSON files they are written to.
+
+What each target measures, and how, is written once, in
+`benchmarks/README.md`; the generated report links there.
+"""
 
 import dataclasses
 import datetime
@@ -16,44 +21,24 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 import matplotlib.ticker  # noqa: E402
 
-METHODOLOGY = """\
-- **Isolation**: every target runs in a fresh Python process, so none is
-  measured in a process an earlier target left behind.
-- **Run time**: one warm-up call per candidate, then {repeats} rounds in which
-  every candidate takes one sample in turn, each round starting with the next
-  candidate (A, B, C, then B, C, A, ...), so that each holds every position
-  equally often; the table shows the median sample per candidate, in time
-  per call. A sample is one call, or for calls under {min_sample_ms:.0f} ms the
-  mean of enough back-to-back calls to last that long; each call is waited
-  for with `jax.block_until_ready` (PyTorch on CPU is synchronous). Inputs
-  are built once and reused (donated, as in a training loop, only where a
-  table says so). Ratios of two candidates are the median of the
-  per-round ratios (target 3: over {standalone_repeats} rounds), and target
-  2's difference of step times the median of the per-round differences (over
-  {train_step_repeats} rounds): samples of one round share the machine's
-  state, so drift between rounds cancels.
-- **Compile time**: wall time of `jax.jit(tx.update).lower(updates, state).compile()`
-  for a new transform on new tree objects, after `jax.clear_caches()`. The
-  transforms take turns, rotating as above; times are medians over
-  {compile_repeats} rounds (optax's clip, a slow reference: at most
-  {compile_reference_repeats}), and the ratio to `optax.scale` is the median of
-  the per-round ratios, which cancels drift in the machine's speed.
-- **Ratios** compare numbers measured in this same run; a target holds when
-  the ratio is at or below it. Targets near 1 (`<= 1.05`, `<= 1.0`) sit within
-  the noise of a shared machine: a small miss there is noise until it repeats
-  on a quiet machine.
-- **Accuracy**: relative error `|norm - ref| / ref` against a float64 numpy
-  norm of exactly the values the libraries see (after rounding to bf16/fp16).
-"""
+DEFINITIONS = Path(__file__).resolve().parent / "README.md"
 
 
 def verdict(passed: bool | None) -> str:
   return {True: "PASS", False: "FAIL", None: "info"}[passed]
 
 
+def ms(seconds: float) -> str:
+  return f"{seconds * 1e3:.2f}"
+
+
+def interval(low: float, high: float, digits: int = 3) -> str:
+  return f"{low:.{digits}f} to {high:.{digits}f}"
+
+
 @dataclasses.dataclass
 class Check:
-  """One target outcome, repeated in the summary table at the top."""
+  """One measured number against its threshold, repeated in the summary."""
   what: str
   measured: str
   target: str
@@ -68,16 +53,27 @@ class Table:
 
 
 @dataclasses.dataclass
-class Section:
-  """What one target returns: its tables, checks and plot data."""
-  key: str  # the name `--only` takes
+class Plot:
+  """Curves of `y` against `x` on log-log axes, one per series."""
+  file: str
   title: str
-  description: str
+  xlabel: str
+  ylabel: str
+  x: list[float]
+  series: dict[str, list[float | None]]  # None: not measured at that x
+
+
+@dataclasses.dataclass
+class Section:
+  """What one target's numbers become in the report."""
+  key: str  # the name `--only` takes, and the anchor of its definition
+  title: str
+  measured: str  # what this run measured: trees, sizes, rounds (one paragraph)
   tables: list[Table]
   checks: list[Check]
   notes: list[str] = dataclasses.field(default_factory=list)
   bars_ms: dict[str, float] | None = None  # run-time bar chart, ms
-  series: dict[str, Any] | None = None  # compile-time curves
+  plots: list[Plot] = dataclasses.field(default_factory=list)
 
   @property
   def passed(self) -> bool | None:
@@ -125,17 +121,16 @@ def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
 
 
 def _summary(sections: list[Section]) -> str:
-  rows = [[f"[{s.title}](#{s.key})", c.what, c.measured, c.target,
-           verdict(c.passed)]
+  rows = [[f"[{s.title}](#{s.key})", c.what, c.measured, c.target, verdict(c.passed)]
           for s in sections for c in s.checks]
-  return markdown_table(["target", "check", "measured", "target value", "status"],
-                        rows)
+  return markdown_table(["target", "check", "measured", "threshold", "status"], rows)
 
 
-def _section(number: int, section: Section) -> str:
+def _section(number: int, section: Section, definitions: str) -> str:
   parts = [f'<a id="{section.key}"></a>',
            f"## {number}. {section.title} (`{section.key}`)",
-           section.description]
+           f"{section.measured} [Definition and threshold]"
+           f"({definitions}#{section.key}).".strip()]
   for table in section.tables:
     if table.caption:
       parts.append(table.caption)
@@ -146,40 +141,39 @@ def _section(number: int, section: Section) -> str:
 
 def render_markdown(sections: list[Section], numbers: dict[str, int],
                     env: dict[str, Any], settings: dict[str, Any],
-                    plots: list[str], wall_seconds: float) -> str:
+                    plots: list[str], out: Path, wall_seconds: float) -> str:
+  definitions = Path(os.path.relpath(DEFINITIONS, out.resolve())).as_posix()
   env_rows = [[key, f"`{value}`"] for key, value in env.items()]
+  setting_rows = [[key, f"`{value}`"] for key, value in settings.items()
+                  if key != "command"]
   head = [
       "# optaxclip benchmarks",
       f"Generated by `{' '.join(settings['command'])}` in {wall_seconds:.0f} s "
-      f"({settings['mode']} mode). Timings are wall-clock medians on the "
-      "machine below; compare ratios, which were measured in the same run, "
-      "rather than absolute times.",
+      f"({settings['mode']} mode). How every number is measured, and each "
+      f"target's definition: [benchmarks/README.md]({definitions}#methodology). "
+      "Compare ratios, measured side by side in this run, rather than absolute "
+      "times.",
       "## Machine and versions",
       markdown_table(["", ""], env_rows),
-      "## Methodology",
-      METHODOLOGY.format(**settings),
+      "## Settings of this run",
+      markdown_table(["", ""], setting_rows),
       "## Summary",
       _summary(sections),
   ]
-  body = [_section(numbers[s.key], s) for s in sections]
+  body = [_section(numbers[s.key], s, definitions) for s in sections]
   images = ["## Plots"] + [f"![{name}]({name})" for name in plots]
   return "\n\n".join(head + body + (images if plots else [])) + "\n"
 
 
-def plot_compile(section: Section, path: Path) -> None:
-  series = section.series
+def _plot_loglog(plot: Plot, path: Path) -> None:
   fig, ax = plt.subplots(figsize=(6.5, 4.5))
-  for name, seconds in series["seconds"].items():
-    points = [(n, t) for n, t in zip(series["leaves"], seconds) if t is not None]
+  for name, ys in plot.series.items():
+    points = [(x, y) for x, y in zip(plot.x, ys) if y is not None]
     if points:
       ax.plot(*zip(*points), marker="o", label=name)
-  floor = series["seconds"]["optax.scale"]
-  ax.plot(series["leaves"], [2 * t for t in floor], "k--", linewidth=1,
-          label="target: 2 × optax.scale")
-  ax.set(xscale="log", yscale="log", xlabel="leaves in the tree",
-         ylabel="lower + compile time (s)",
-         title="Compile time of jit(tx.update) vs leaf count")
-  ax.set_xticks(series["leaves"], [str(n) for n in series["leaves"]])
+  ax.set(xscale="log", yscale="log", xlabel=plot.xlabel, ylabel=plot.ylabel,
+         title=plot.title)
+  ax.set_xticks(plot.x, [f"{x:g}" for x in plot.x])
   ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
   ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
   ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
@@ -190,12 +184,13 @@ def plot_compile(section: Section, path: Path) -> None:
   plt.close(fig)
 
 
-def plot_runtimes(sections: list[Section], path: Path) -> None:
+def _plot_runtimes(sections: list[Section], path: Path) -> None:
   columns = min(2, len(sections))
   rows = math.ceil(len(sections) / columns)
   fig, axes = plt.subplots(rows, columns, figsize=(6.5 * columns, 3.6 * rows),
                            squeeze=False)
   for ax, section in zip(axes.flat, sections):
+    assert section.bars_ms is not None
     names, values = zip(*section.bars_ms.items())
     ax.barh(range(len(names)), values, color="tab:blue")
     ax.set_yticks(range(len(names)), names, fontsize=8)
@@ -216,12 +211,12 @@ def write_plots(sections: list[Section], out: Path) -> list[str]:
   """Writes the PNGs the sections have data for; returns their file names."""
   written = []
   for section in sections:
-    if section.series:
-      plot_compile(section, out / "compile_time.png")
-      written.append("compile_time.png")
+    for plot in section.plots:
+      _plot_loglog(plot, out / plot.file)
+      written.append(plot.file)
   with_bars = [s for s in sections if s.bars_ms]
   if with_bars:
-    plot_runtimes(with_bars, out / "runtime.png")
+    _plot_runtimes(with_bars, out / "runtime.png")
     written.append("runtime.png")
   return written
 

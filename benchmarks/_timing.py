@@ -1,23 +1,15 @@
-"""Wall-clock timing: a `Timer`, medians of interleaved repeats, compile time.
+"""Wall-clock timing: rotated rounds of samples, intervals, compile time.
 
-Every run-time measurement follows the same recipe: one warm-up call per
-candidate (compilation, allocation), then `repeats` rounds in which each
-candidate takes one sample in turn, each round starting with the next one
-(A, B, C, then B, C, A, then C, A, B, ...); the result is the median sample
-per candidate. A sample is one call, waited for with
-`jax.block_until_ready`, or for calls shorter than `MIN_SAMPLE_SECONDS` the
-mean of just enough back-to-back calls (each waited for) to last that long,
-so that one preemption by the OS scheduler does not decide a sample.
-Interleaving spreads slow drifts of a shared machine (other processes, clock
-changes) over all candidates instead of penalising whichever ran last; the
-rotation gives each candidate every position in a round equally often (the
-first call of a round runs measurably faster here: ~2% on the transformer
-tree, where memory freed by the previous call is reused differently), and
-ratios are taken within each round, then their median.
+The recipe (warm-up, rotated rounds, samples of at least
+`MIN_SAMPLE_SECONDS`, per-round ratios) and why: benchmarks/README.md,
+"Methodology".
 """
 
+import concurrent.futures
 import gc
 import math
+import multiprocessing
+import os
 import random
 import statistics
 import time
@@ -101,17 +93,21 @@ def median_ratio(a: list[float], b: list[float]) -> float:
   return statistics.median(x / y for x, y in zip(a, b))
 
 
-def median_ratio_interval(a: list[float], b: list[float], level: float = 0.95,
-                          resamples: int = 2000) -> tuple[float, float]:
-  """A bootstrap interval for `median_ratio(a, b)`: the rounds resampled
-  with replacement (a fixed seed, so a report is reproducible from its
-  samples)."""
-  ratios = [x / y for x, y in zip(a, b)]
+def bootstrap_interval(values: list[float], level: float = 0.95,
+                       resamples: int = 2000) -> tuple[float, float]:
+  """A bootstrap interval for the median of `values` (per-round ratios or
+  differences): the rounds resampled with replacement, with a fixed seed so
+  that a report is reproducible from its samples."""
   rng = random.Random(0)
-  medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios)))
-                   for _ in range(resamples))
+  medians_ = sorted(statistics.median(rng.choices(values, k=len(values)))
+                    for _ in range(resamples))
   tail = (1 - level) / 2
-  return medians[int(tail * resamples)], medians[int((1 - tail) * resamples) - 1]
+  return medians_[int(tail * resamples)], medians_[int((1 - tail) * resamples) - 1]
+
+
+def median_ratio_interval(a: list[float], b: list[float]) -> tuple[float, float]:
+  """The 95% bootstrap interval of `median_ratio(a, b)`."""
+  return bootstrap_interval([x / y for x, y in zip(a, b)])
 
 
 def median_difference(a: list[float], b: list[float]) -> float:
@@ -123,19 +119,43 @@ def median_difference(a: list[float], b: list[float]) -> float:
   return statistics.median(x - y for x, y in zip(a, b))
 
 
-def compile_seconds(make_tx: Callable[[], Any], make_updates: Callable[[], Any]
+def compile_seconds(build: Callable[[], tuple[Callable[..., Any], tuple[Any, ...]]]
                     ) -> float:
-  """Seconds for `jax.jit(tx.update).lower(updates, state).compile()`.
+  """Seconds for `jax.jit(fn).lower(*args).compile()`, `(fn, args) = build()`.
 
-  Fresh every time: a new transform and new tree objects (shape/dtype
-  structs, so no device memory is touched), and `jax.clear_caches()` so that
-  no trace, lowering or executable of an earlier measurement is reused.
+  Fresh every time: `build` makes a new transform and new tree objects
+  (shape/dtype structs, so no device memory is touched), and
+  `jax.clear_caches()` drops every trace, lowering and executable of an
+  earlier measurement.
   """
-  tx = make_tx()
-  updates = make_updates()
-  state = jax.eval_shape(tx.init, updates)
+  fn, args = build()
   jax.clear_caches()
   gc.collect()
   with Timer() as timer:
-    jax.jit(tx.update).lower(updates, state).compile()
+    jax.jit(fn).lower(*args).compile()
   return timer.seconds
+
+
+def in_fresh_process(fn: Callable[..., Any], *args: Any,
+                     env: dict[str, str] | None = None, **kwargs: Any) -> Any:
+  """`fn(*args, **kwargs)` in a new Python process (`spawn`) with `env` added
+  to its environment; the result.
+
+  `fn` must be a module-level function. A fresh process measures from the
+  same state every time: after hundreds of fresh compiles, run times in the
+  same process (PyTorch's too) came out 20-35% slower, not by the same
+  factor for every candidate; and a process whose library was patched
+  (`_cost.without_rescue_branch`) must not measure anything else.
+  """
+  spawn = multiprocessing.get_context("spawn")
+  saved = {name: os.environ.get(name) for name in env or {}}
+  os.environ.update(env or {})  # what the new process starts with
+  try:
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+      return pool.submit(fn, *args, **kwargs).result()
+  finally:
+    for name, value in saved.items():
+      if value is None:
+        os.environ.pop(name, None)
+      else:
+        os.environ[name] = value

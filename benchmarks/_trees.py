@@ -1,5 +1,6 @@
 """The gradient trees the benchmarks run on."""
 
+import math
 from typing import Any
 
 import jax
@@ -43,8 +44,30 @@ def transformer_shapes(vocab: int, d_model: int, layers: int,
   }
 
 
+def stacked_transformer_shapes(vocab: int, d_model: int, layers: int,
+                               seq_len: int) -> dict[str, Any]:
+  """The same decoder as a scanned model holds it: each layer parameter of
+  all layers stacked on a leading axis of size `layers`."""
+  shapes = transformer_shapes(vocab, d_model, 1, seq_len)
+  shapes["layers"] = jax.tree.map(lambda shape: (layers, *shape),
+                                  shapes["layers"][0], is_leaf=_is_shape)
+  return shapes
+
+
 def _is_shape(x: Any) -> bool:
   return isinstance(x, tuple) and all(isinstance(n, int) for n in x)
+
+
+def structs(shapes: Any, dtype=jnp.float32) -> Any:
+  """Shape/dtype structs for the `shapes` tree: what compiling needs, no memory."""
+  return jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dtype), shapes,
+                      is_leaf=_is_shape)
+
+
+def shapes_where(shapes: Any, keep) -> list[tuple[int, ...]]:
+  """The shapes of the `shapes` tree for which `keep(size)` holds, as a list."""
+  return [shape for shape in jax.tree.leaves(shapes, is_leaf=_is_shape)
+          if keep(math.prod(shape))]
 
 
 def normal_tree(shapes: Any, seed: int, dtype=jnp.float32) -> Any:

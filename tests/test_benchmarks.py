@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "run.py"
-TARGETS = ("compile", "train_step", "standalone", "many_leaves", "accuracy",
-           "fallback")
+TARGETS = ("compile_step", "compile", "traffic", "scanned", "train_step", "standalone",
+           "many_leaves", "accuracy", "fallback")
 
 
 def _section(markdown: str, key: str) -> str:
@@ -33,12 +33,14 @@ def test_quick_run_writes_every_table_and_plot(tmp_path):
   for key in TARGETS:
     section = _section(markdown, key)
     assert f"(`{key}`)" in section, key
-    table_header = re.search(r"^\|.*\| target \| status \|", section, re.MULTILINE)
+    table_header = re.search(r"^\|.*\| threshold \| status \|", section, re.MULTILINE)
     assert table_header, f"no results table for {key}"
     assert re.search(r"\| (PASS|FAIL)", section), f"no PASS/FAIL for {key}"
+    assert f"README.md#{key})" in section, f"no link to the definition of {key}"
   assert "## Summary" in markdown and "## Machine and versions" in markdown
+  assert "not yet measured: layer_axis" in _section(markdown, "scanned")
 
-  for png in ("compile_time.png", "runtime.png"):
+  for png in ("compile_step.png", "compile_time.png", "runtime.png"):
     assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
     assert f"]({png})" in markdown
   assert (tmp_path / "results.json").stat().st_size > 0
@@ -50,3 +52,9 @@ def test_unknown_target_is_rejected(tmp_path):
                           capture_output=True, text=True, timeout=120)
   assert result.returncode == 2
   assert "unknown target" in result.stderr
+
+
+def test_every_target_has_a_definition():
+  definitions = (RUN.parent / "README.md").read_text()
+  for key in TARGETS:
+    assert f'<a id="{key}"></a>' in definitions, key

@@ -1,0 +1,1 @@
+"""optaxclip's benchmarks: run `python benchmarks/run.py`; see README.md."""

@@ -1,0 +1,47 @@
+"""The sizes and repeats of a run: `FULL`, or `QUICK` for a smoke test."""
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  mode: str
+  platform: str  # "cpu" or "gpu": the JAX backend (and PyTorch's device)
+  repeats: int  # rounds of interleaved run-time samples
+  train_step_repeats: int  # the same for the train step, a small difference of large times
+  standalone_repeats: int  # the same for the standalone clip, a ratio near 1
+  compile_repeats: int  # rounds of fresh compiles of a clip alone, per size
+  step_compile_repeats: int  # rounds of fresh compiles of a train step, per size
+  compile_reference_repeats: int  # of those, rounds that compile optax's slow clip
+  step_compile_reference_repeats: int  # the same in a train step
+  compile_leaves: tuple[int, ...]  # tree sizes of the compile targets
+  compile_skip_s: float | None  # optax's clip above 1000 leaves: skip when slower
+  transformer: dict[str, int]  # `_trees.transformer_shapes` arguments
+  traffic_parts: bool  # traffic of the transformer's large and small leaves apart
+  scanned: dict[str, int]  # the same, without `layers`, for stacked layers
+  scanned_layers: tuple[int, ...]
+  many_leaves: int  # leaves of 1000 float32 elements
+  many_leaves_runs: int  # fresh processes, each a full run of that target
+  accuracy_size: int  # float32 elements in one vector
+  half_shapes: tuple[tuple[int, ...], ...]  # the bf16/fp16 tree
+
+
+FULL = Config(
+    mode="full", platform="cpu", repeats=15, train_step_repeats=31,
+    standalone_repeats=41, compile_repeats=11, step_compile_repeats=3,
+    compile_reference_repeats=3, step_compile_reference_repeats=1,
+    compile_leaves=(250, 500, 1000, 2000, 4000),
+    compile_skip_s=30.0,
+    transformer=dict(vocab=32000, d_model=512, layers=12, seq_len=1024),
+    traffic_parts=True,
+    scanned=dict(vocab=32000, d_model=512, seq_len=1024), scanned_layers=(12, 48),
+    many_leaves=2000, many_leaves_runs=5, accuracy_size=10**8,
+    half_shapes=((1024, 1024),) * 4)
+QUICK = dataclasses.replace(
+    FULL, mode="quick", repeats=5, train_step_repeats=7, standalone_repeats=7,
+    compile_repeats=1, step_compile_repeats=1, compile_leaves=(50, 100),
+    transformer=dict(vocab=32000, d_model=256, layers=8, seq_len=512),
+    traffic_parts=False,
+    scanned=dict(vocab=4096, d_model=128, seq_len=256), scanned_layers=(2, 4),
+    many_leaves=250, many_leaves_runs=2, accuracy_size=10**7,
+    half_shapes=((1024, 1024),) * 2)

@@ -1,0 +1,54 @@
+"""What a target is: numbers measured in fresh processes, then a section."""
+
+import dataclasses
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from benchmarks import _trees
+from benchmarks._config import Config
+from benchmarks._report import Section
+
+
+def _one_job(config: Config) -> list[dict[str, Any]]:
+  del config
+  return [{}]
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """`measure(config, **job)` runs once per job, each in a fresh process, and
+  returns plain numbers (they go to results.json as they are); `render`
+  turns the list of them into the report's section, checks included."""
+  key: str  # the name `--only` takes
+  measure: Callable[..., dict[str, Any]]  # module-level, so a process can run it
+  render: Callable[[Config, list[dict[str, Any]]], Section]
+  jobs: Callable[[Config], list[dict[str, Any]]] = _one_job
+  env: dict[str, str] = dataclasses.field(default_factory=dict)  # of its processes
+
+
+def describe_tree(tree: Any) -> str:
+  return (f"{len(jax.tree.leaves(tree))} leaves, {_trees.tree_size(tree) / 1e6:.1f}M "
+          f"float32 values ({_trees.tree_bytes(tree) / 2**20:.0f} MiB)")
+
+
+def select_platform(name: str) -> None:
+  """Runs JAX on `name`'s backend, or exits saying why it cannot."""
+  if name == "cpu":
+    jax.config.update("jax_platforms", "cpu")
+    return
+  try:
+    gpus = jax.devices("gpu")
+  except RuntimeError as error:
+    sys.exit(f"--platform gpu: JAX has no GPU backend on this machine ({error}). "
+             "Install a CUDA/ROCm build of jaxlib, or run with --platform cpu.")
+  jax.config.update("jax_default_device", gpus[0])
+
+
+def run_job(key: str, config: Config, job: dict[str, Any]) -> dict[str, Any]:
+  """One job of target `key`, in this (fresh) process: its numbers."""
+  from benchmarks.targets import TARGETS
+  select_platform(config.platform)
+  return TARGETS[key].measure(config, **job)

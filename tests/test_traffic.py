@@ -1,0 +1,81 @@
+"""Memory traffic of the clips, read from XLA's cost analysis: deterministic,
+so asserted here (the `traffic` benchmark reports the same on a transformer).
+
+`bytes accessed` of a compiled program over the bytes of the gradient tree
+counts passes over the tree. A clip alone needs 3.0 (one read for the norm,
+then read and write to scale); inside AdamW's step 1.0 more than AdamW alone
+(the norm's read: the factor fuses into AdamW's own pass). The norm's rescue
+branch (a `lax.cond` that runs only when the plain sum of squares overflows
+or underflows) is counted too: its share is measured in a build without it,
+made in a process of its own.
+"""
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+
+from benchmarks import _cost, _timing  # noqa: E402
+
+CLIPS = ["optaxclip", "optaxclip clip_grad_norm"]
+FLOORS = {"alone": 3.0, "step extra": 1.0}
+
+
+def _structs(*shapes):
+  return [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes]
+
+
+# Leaves above 2**15 elements, three of one shape (reduced side by side) and
+# two others; ~4.4 MB.
+LARGE = _structs((256, 1024), (256, 1024), (256, 1024), (1024, 300), (40000,))
+# The same with small leaves too (0.4% of the bytes), which the norm groups.
+MIXED = LARGE + _structs((1000,), (1000,), (32, 32))
+# Scalars (the norm, counters) and, in MIXED, the copy that groups the small
+# leaves (2 x 0.4%), in passes over the tree.
+TOLERANCE = 0.01
+
+
+@pytest.fixture(scope="module")
+def with_rescue():
+  return _cost.traffic(CLIPS, {"mixed": MIXED})
+
+
+@pytest.fixture(scope="module")
+def without_rescue():
+  return _timing.in_fresh_process(_cost.traffic, CLIPS, {"mixed": MIXED, "large": LARGE},
+                                  rescue=False)
+
+
+def test_an_elementwise_pass_counts_two_passes():
+  # The measure itself: read the tree once, write a new one.
+  assert _cost.alone(optax.scale(0.5), LARGE) == pytest.approx(2.0, abs=1e-3)
+
+
+@pytest.mark.parametrize("measure", FLOORS)
+@pytest.mark.parametrize("clip", CLIPS)
+def test_traffic_is_the_floor_plus_the_rescue_share(with_rescue, without_rescue,
+                                                    clip, measure):
+  value = with_rescue["mixed"][clip][measure]
+  share = value - without_rescue["mixed"][clip][measure]
+  assert share >= 0
+  assert value <= FLOORS[measure] + share + TOLERANCE
+
+
+@pytest.mark.parametrize("measure", FLOORS)
+@pytest.mark.parametrize("clip", CLIPS)
+def test_without_the_rescue_branch_large_leaves_are_at_the_floor(without_rescue,
+                                                                  clip, measure):
+  assert without_rescue["large"][clip][measure] == pytest.approx(FLOORS[measure],
+                                                                 abs=1e-3)
+
+
+def test_the_build_without_rescue_refuses_to_patch_this_process():
+  with pytest.raises(RuntimeError, match="in_fresh_process"):
+    _cost.traffic(CLIPS, {"large": LARGE}, rescue=False)
