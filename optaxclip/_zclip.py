@@ -124,7 +124,13 @@ def zclip(*, alpha: Any = 0.97, z_thresh: Any = 2.5,
     the largest float rather than overflowing: the statistics stay finite
     (only ``z``, the last norm's score, may be ``+inf``);
   - the gradient of the updates through ``std`` is finite when the variance
-    is 0 (all warm-up norms equal).
+    is 0 (all warm-up norms equal);
+  - a warm-up of zero norms (frozen or masked parameters at the start): in
+    the reference every later norm is then a spike cut to the mean 0, and
+    every update is zero for good. Here such a warm-up has no scale to
+    judge by and starts again. (After a warm-up of equal positive norms,
+    the variance is 0 and larger norms are cut to the mean until the EMA
+    moves, as in the reference.)
 
   The statistics are float32, or float64 when x64 is on and ``init`` is
   given float64 parameters (a float64 norm beyond float32's range is then
@@ -271,6 +277,9 @@ def zclip(*, alpha: Any = 0.97, z_thresh: Any = 2.5,
     stale, restart = _running_stats.stale_streak(
         state.stale_count, norm, state.mean, ~warming & finite)
     mean, var = jnp.where(restart, 0, mean), jnp.where(restart, 0, var)
+    # A warm-up of zero norms gives no scale: with mean and std 0 every later
+    # norm would be a spike cut to 0, zeroing every update for good.
+    restart = restart | (starts & (first_mean == 0))
 
     new_state = ZClipState(
         mean=mean.astype(dtype), var=var.astype(dtype),

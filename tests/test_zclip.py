@@ -223,3 +223,21 @@ def test_gradient_is_finite_at_zero_and_after_a_constant_history(config):
   tx = zclip(warmup_steps=3, **ZCLIP_GRADIENT_CONFIGS[config])
   for history, grads in gradients_through_updates(tx).items():
     assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads)), history
+
+
+def test_a_warm_up_of_zero_norms_starts_again():
+  """The reference zeroes every update for good after a warm-up of zeros
+  (mean and std 0 make every later norm a spike cut to 0)."""
+  tx = zclip(warmup_steps=3, max_grad_norm=None)
+  state = tx.init({"w": jnp.zeros(2)})
+  update = jax.jit(tx.update)
+  for _ in range(3):
+    _, state = update({"w": jnp.zeros(2)}, state)
+  grads = {"w": jnp.array([3.0, 4.0])}
+  for _ in range(6):  # a new warm-up of norms 5, then the EMA
+    updates, state = update(grads, state)
+    np.testing.assert_allclose(updates["w"], grads["w"], rtol=1e-6)
+  assert float(state.mean) == 5.0 and int(state.spike_count) == 0
+  updates, state = update({"w": jnp.array([3e3, 4e3])}, state)  # a spike
+  assert int(state.spike_count) == 1
+  assert float(np.linalg.norm(updates["w"])) < 5e3
