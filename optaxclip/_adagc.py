@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxclip import _norm_clipping, _norms, _running_stats, _stats, _tree, _validation
+from optaxclip import _counters, _norms, _running_stats, _scaling, _stats, _tree, _validation
 
 PyTree = Any
 
@@ -45,7 +45,7 @@ def _summarize(state: AdaGCState) -> dict[str, jax.Array]:
           "gamma_max": jnp.max(state.gamma, initial=0.0),
           "count": state.count, "clipped_count": state.clipped_count,
           "nonfinite_count": state.nonfinite_count,
-          "clip_rate": _stats.clip_rate(state)}
+          "clip_rate": _counters.clip_rate(state)}
 
 
 _stats.register(AdaGCState, "adagc", _summarize)
@@ -158,7 +158,7 @@ def adagc(*, lambda_abs: Any = 1.0, lambda_rel: Any = 1.05, beta: Any = 0.98,
         gamma=jnp.full([count], jnp.inf, dtype),
         norm_min=jnp.full([], jnp.inf, dtype),
         norm=jnp.zeros([], dtype), scale=jnp.ones([], dtype),
-        **_stats.zeros(jnp.int32, "clipped_tensors", "count", "clipped_count",
+        **_counters.zeros(jnp.int32, "clipped_tensors", "count", "clipped_count",
                        "nonfinite_count"))
 
   def update_fn(updates, state, params=None):
@@ -178,10 +178,10 @@ def adagc(*, lambda_abs: Any = 1.0, lambda_rel: Any = 1.05, beta: Any = 0.98,
     norm = _norms.norm_of_leaves([norms], 2, _norms.LOCAL)
     finite = jnp.isfinite(norm)
     warming = state.count < warmup_steps
-    global_factor = _norm_clipping.clip_factor(norm, lambda_abs, eps)
+    global_factor = _scaling.clip_factor(norm, lambda_abs, eps)
     relative = jnp.asarray(lambda_rel, dtype) * state.gamma
     factors = jnp.where(warming, global_factor,
-                        _norm_clipping.clip_factor(norms, relative, eps))
+                        _scaling.clip_factor(norms, relative, eps))
     clipped_norms = factors * norms
     # Warm-up: the running minimum, over the steps whose global norm is
     # within OUTLIER_RATIO of the smallest one that fed it.
@@ -202,7 +202,7 @@ def adagc(*, lambda_abs: Any = 1.0, lambda_rel: Any = 1.05, beta: Any = 0.98,
         norm=norm.astype(dtype),
         scale=jnp.min(factors, initial=1.0).astype(dtype),
         clipped_tensors=clipped,
-        **_stats.step_counts(state, finite=finite, clipped=clipped > 0))
-    return _norm_clipping.scale_leaves(updates, factors), new_state
+        **_counters.step_counts(state, finite=finite, clipped=clipped > 0))
+    return _scaling.scale_leaves(updates, factors), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxclip import _norm_clipping, _norms, _running_stats, _stats, _tree, _validation
+from optaxclip import _counters, _norms, _running_stats, _scaling, _stats, _tree, _validation
 
 PyTree = Any
 
@@ -40,7 +40,7 @@ def _summarize(state: AutoClipState) -> dict[str, jax.Array]:
           "scale": state.scale, "count": state.count,
           "clipped_count": state.clipped_count,
           "nonfinite_count": state.nonfinite_count,
-          "clip_rate": _stats.clip_rate(state)}
+          "clip_rate": _counters.clip_rate(state)}
 
 
 _stats.register(AutoClipState, "auto_clip", _summarize)
@@ -151,8 +151,8 @@ def auto_clip(percentile: Any = 10.0, *, history: int = 1000,
     return AutoClipState(
         norms=jnp.zeros([length], dtype),
         scale=jnp.ones([], dtype),
-        **_stats.zeros(dtype, "norm", "threshold"),
-        **_stats.zeros(jnp.int32, "position", "size", "count", "clipped_count",
+        **_counters.zeros(dtype, "norm", "threshold"),
+        **_counters.zeros(jnp.int32, "position", "size", "count", "clipped_count",
                        "nonfinite_count"))
 
   def update_fn(updates, state, params=None):
@@ -172,13 +172,13 @@ def auto_clip(percentile: Any = 10.0, *, history: int = 1000,
     position = jnp.where(finite, (state.position + 1) % length, state.position)
     threshold = percentile_of_prefix(norms, filled,
                                      jnp.asarray(percentile, jnp.float32))
-    factor = _norm_clipping.clip_factor(norm, threshold, eps)
+    factor = _scaling.clip_factor(norm, threshold, eps)
     new_state = AutoClipState(
         norms=norms, position=position.astype(jnp.int32),
         size=filled.astype(jnp.int32),
         norm=norm, threshold=threshold.astype(dtype),
         scale=factor.astype(dtype),
-        **_stats.step_counts(state, finite=finite, clipped=factor < 1))
-    return _norm_clipping.scale_leaves(updates, factor), new_state
+        **_counters.step_counts(state, finite=finite, clipped=factor < 1))
+    return _scaling.scale_leaves(updates, factor), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)

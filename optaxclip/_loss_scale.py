@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxclip import _norm_clipping, _norms, _stats, _tree, _validation
+from optaxclip import _counters, _norms, _placement, _scaling, _stats, _tree, _validation
 
 PyTree = Any
 
@@ -77,103 +77,7 @@ class LossScaleWrapperState(NamedTuple):
 
 
 _stats.register(LossScaleState, "loss_scale", clips=False)
-
-
-def is_loss_scale_state(x: Any) -> bool:
-  return isinstance(x, LossScaleState)
-
-
-def find_loss_scale_states(opt_state: Any) -> list[LossScaleState]:
-  """Every ``LossScaleState`` in ``opt_state``, in tree order.
-
-  The search depends only on the state's structure, so it costs nothing
-  under ``jit``.
-  """
-  nodes = jax.tree.leaves(opt_state, is_leaf=is_loss_scale_state)
-  return [node for node in nodes if is_loss_scale_state(node)]
-
-
-def _is_placed(x: Any) -> bool:
-  """A loss scaler's or a clipper's state: what ``check_placement`` orders."""
-  return isinstance(x, (LossScaleState, LossScaleWrapperState)) or \
-      _stats.is_clipper_state(x)
-
-
-def _route(tree: PyTree, path: tuple[Any, ...]) -> list[tuple[Any, int]]:
-  """``(container, position)`` for each step of ``path`` down ``tree``.
-
-  Positions follow the order updates flow in: a dict's insertion order (that
-  of ``optax.named_chain``; JAX would sort the keys), else the tree's.
-  """
-  route = []
-  for key in path:
-    children, _ = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x, node=tree: x is not node)  # one level down
-    position, child = next((i, c) for i, ((k,), c) in enumerate(children)
-                           if k == key)
-    if isinstance(tree, dict):
-      position = list(tree).index(key.key)
-    route.append((tree, position))
-    tree = child
-  return route
-
-
-def _comes_before(first: list[Any], second: list[Any]) -> bool:
-  """Whether updates flow through ``first`` before ``second`` (two routes)."""
-  for depth, ((_, i), (_, j)) in enumerate(zip(first, second)):
-    if i != j:  # the labels of optax.partition are parallel, not in a row
-      parallel = depth > 0 and isinstance(first[depth - 1][0],
-                                          optax.PartitionState)
-      return i < j and not parallel
-  return False
-
-
-# Wrappers that must not hold the loss scaling, and why.
-_NOT_AROUND = {
-    optax.MultiStepsState: (
-        "optax.MultiSteps, whose accumulator would then sum scaled gradients: "
-        "one overflow makes it NaN for good (MultiSteps resets it by "
-        "multiplying by 0). Put the loss scaling outside: "
-        "optaxclip.dynamic_loss_scale(optax.MultiSteps(optimizer, k))"),
-    optax.ApplyIfFiniteState: (
-        "optax.apply_if_finite, which rolls the scale's back-off back on an "
-        "overflow, so the next steps overflow again. dynamic_loss_scale "
-        "drops overflowed steps itself: put apply_if_finite inside, "
-        "optaxclip.dynamic_loss_scale(optax.apply_if_finite(optimizer, n)), "
-        "or leave it out"),
-}
-
-
-def check_placement(opt_state: Any, where: str, root: str = "opt_state") -> None:
-  """Raises where the loss scaling sits in ``opt_state`` gives wrong updates.
-
-  After an optaxclip clipper (outside the scaler's own ``inner``), the clipper
-  saw scaled gradients; inside ``optax.MultiSteps`` or
-  ``optax.apply_if_finite``, see ``_NOT_AROUND``. Structure only:
-  free under ``jit``. ``where`` and ``root`` name the caller and the state
-  in the message.
-  """
-  found, _ = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_placed)
-  placed = [(path, node, _route(opt_state, path))
-            for path, node in found if _is_placed(node)]
-  for path, node, route in placed:
-    if _stats.is_clipper_state(node):
-      continue
-    at = f"{root}{jax.tree_util.keystr(path)}"
-    for container, _ in route:
-      if type(container) in _NOT_AROUND:
-        raise ValueError(f"`{where}`: dynamic_loss_scale's state ({at}) is "
-                         f"inside {_NOT_AROUND[type(container)]}")
-    for clip_path, clipper, clip_route in placed:
-      if _stats.is_clipper_state(clipper) and _comes_before(clip_route, route):
-        raise ValueError(
-            f"`{where}`: the clipper state {type(clipper).__name__} at "
-            f"{root}{jax.tree_util.keystr(clip_path)} comes before "
-            f"dynamic_loss_scale's state ({at}), so the clipper sees the "
-            f"scaled gradients (loss scale times too large) and clips them "
-            f"wrongly. Put the loss scaling first: optax.chain("
-            f"optaxclip.dynamic_loss_scale(...), clipper, optimizer), or "
-            f"optaxclip.dynamic_loss_scale(optax.chain(clipper, optimizer))")
+_placement.register_loss_scale(LossScaleState, LossScaleWrapperState)
 
 
 def loss_scale(opt_state: Any) -> jax.Array:
@@ -214,7 +118,7 @@ def loss_scale(opt_state: Any) -> jax.Array:
     optax.chain(optaxclip.dynamic_loss_scale(...), clipper, optimizer), or
     optaxclip.dynamic_loss_scale(optax.chain(clipper, optimizer))
   """
-  found = find_loss_scale_states(opt_state)
+  found = _placement.find_loss_scale_states(opt_state)
   if len(found) != 1:
     what = "no" if not found else f"{len(found)}"
     raise ValueError(
@@ -222,7 +126,7 @@ def loss_scale(opt_state: Any) -> jax.Array:
         f"in the optimizer state, found {what}: build the optimizer with "
         f"optaxclip.dynamic_loss_scale() (once), e.g. "
         f"optaxclip.dynamic_loss_scale(optax.adamw(...))")
-  check_placement(opt_state, "loss_scale(opt_state)")
+  _placement.check_placement(opt_state, "loss_scale(opt_state)")
   return found[0].scale
 
 
@@ -232,7 +136,7 @@ def unscale(updates: PyTree, state: LossScaleState, *,
   they were finite."""
   # A multiply by 1/scale: exact for powers of two, and each leaf keeps its
   # dtype (half precision is unscaled in float32 and rounded once).
-  unscaled = _norm_clipping.scale_leaves(updates, 1 / state.scale)
+  unscaled = _scaling.scale_leaves(updates, 1 / state.scale)
   # Judged after unscaling: that is what the optimizer would see.
   finite = _norms.all_finite(unscaled, axis_name=axis_name)
   # Zeros rather than Inf/NaN: nothing after the loss scaling sees them.
@@ -248,7 +152,7 @@ def adjust(state: LossScaleState, finite: jax.Array, *, period: Any,
   factor = jnp.asarray(factor, jnp.float32)
   grown = scale * factor
   grow = state.good_steps + 1 >= period
-  increment = _stats.increment
+  increment = _counters.increment
   new_scale = jnp.where(
       finite,
       jnp.where(grow & jnp.isfinite(grown), grown, scale),
@@ -366,12 +270,13 @@ def dynamic_loss_scale(
     # A copy: the state must not alias the user's (or an injected) array,
     # or donating the state would delete it, or donate one buffer twice.
     state = LossScaleState(scale=jnp.array(initial_scale, jnp.float32, copy=True),
-                           **_stats.zeros(jnp.int32, "good_steps", "count",
+                           **_counters.zeros(jnp.int32, "good_steps", "count",
                                           "overflow_count"))
     if wrapped is None:
       return state
     inner_state = wrapped.init(params)
-    check_placement(inner_state, f"{fn}(inner=...).init", "inner_state")
+    _placement.check_placement(inner_state, f"{fn}(inner=...).init",
+                               "inner_state")
     return LossScaleWrapperState(state, inner_state)
 
   def update_fn(updates, state, params=None, **extra_args):

@@ -20,7 +20,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxclip import _nonfinite, _norms, _running_stats, _stats, _tree, _validation
+from optaxclip import _counters, _nonfinite, _norms, _running_stats, _stats, _tree, _validation
+
+# Old home of clip_factor and scale_leaves, for modules not yet moved to _scaling.
+from optaxclip._scaling import clip_factor as clip_factor
+from optaxclip._scaling import scale_leaves as scale_leaves
 
 PyTree = Any
 
@@ -43,7 +47,7 @@ class ClipState(NamedTuple):
 
 
 def _summarize(state: ClipState) -> dict[str, jax.Array]:
-  return {**state._asdict(), "clip_rate": _stats.clip_rate(state)}
+  return {**state._asdict(), "clip_rate": _counters.clip_rate(state)}
 
 
 _stats.register(ClipState, "clip", _summarize)
@@ -53,54 +57,8 @@ def init_clip_state(params: PyTree = None) -> ClipState:
   """A fresh ``ClipState``, its floats in the statistics dtype of ``params``."""
   dtype = _running_stats.statistics_dtype(params)
   return ClipState(norm=jnp.zeros([], dtype), scale=jnp.ones([], dtype),
-                   **_stats.zeros(jnp.int32, "count", "clipped_count",
+                   **_counters.zeros(jnp.int32, "count", "clipped_count",
                                   "nonfinite_count"))
-
-
-def clip_factor(norm: jax.Array, max_norm: Any, eps: Any) -> jax.Array:
-  """The factor that brings ``norm`` down to ``max_norm`` (1 when below).
-
-  A NaN norm gives a NaN factor and an infinite norm gives 0, as in the
-  reference libraries; ``max_norm = inf`` (never clip) gives 1 for every
-  finite norm and NaN for an infinite one (``inf / inf``, as in PyTorch's
-  ``clip_grad_norm_`` and Optax). The division only sees a positive
-  denominator, so gradients through the factor stay finite at zero norm. A
-  factor below the smallest normal float (a norm over ~1e38 times
-  ``max_norm``) flushes to zero on hardware that flushes subnormals: the
-  update is then zero.
-  """
-  denominator = norm + jnp.asarray(eps, norm.dtype)
-  max_norm = jnp.asarray(max_norm, norm.dtype)
-  # False for NaN (NaN propagates) and for an Inf norm, even under an
-  # infinite max_norm.
-  unclipped = (denominator <= max_norm) & (denominator < jnp.inf)
-  safe = jnp.where(unclipped, 1, denominator)
-  return jnp.where(unclipped, 1, max_norm / safe)
-
-
-def _scale_leaf(x: jax.Array, factor: jax.Array) -> jax.Array:
-  scaled = x * factor
-  # Half-precision leaves are scaled in float32 and rounded once. (The check
-  # saves a no-op cast per leaf from the trace of trees with many leaves.)
-  return scaled if scaled.dtype == x.dtype else scaled.astype(x.dtype)
-
-
-def scale_leaves(tree: PyTree, factors: jax.Array) -> PyTree:
-  """Multiplies the clippable leaves by one factor (scalar) or one each.
-
-  One multiply per leaf and nothing else: each leaf's pass is the cheapest
-  fusion XLA can compile, and it fuses into the optimizer's next pass.
-  """
-  leaves, treedef = jax.tree.flatten(tree)
-  out, index = [], 0
-  for x in leaves:
-    if _tree.is_clippable(x):
-      out.append(_scale_leaf(_tree.as_array(x),
-                             factors if factors.ndim == 0 else factors[index]))
-      index += 1
-    else:
-      out.append(x)
-  return treedef.unflatten(out)
 
 
 def _check_common(fn: str, max_norm: Any, ord: Any, eps: Any,
@@ -237,7 +195,7 @@ def _norm_clipper(fn: str, max_norm, p, eps, axis_name, specs, nonfinite, *,
       factor = jnp.where(finite, factor, 0)
     new_state = ClipState(
         norm=norm.astype(state.norm.dtype), scale=factor.astype(state.scale.dtype),
-        **_stats.step_counts(state, finite=finite, clipped=factor < 1))
+        **_counters.step_counts(state, finite=finite, clipped=factor < 1))
     return clipped, new_state
 
   return optax.GradientTransformation(init_fn, update_fn)

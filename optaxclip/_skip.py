@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxclip import _loss_scale, _norms, _running_stats, _stats, _tree, _validation
+from optaxclip import _counters, _norms, _placement, _running_stats, _stats, _tree, _validation
 
 PyTree = Any
 
@@ -73,8 +73,8 @@ _stats.register(SkipStats, "skip", _summarize, clips=False)
 
 
 def _init_stats(dtype: jnp.dtype) -> SkipStats:
-  return SkipStats(**_stats.zeros(dtype, "norm", "norm_mean", "norm_var"),
-                   **_stats.zeros(jnp.int32, "count", "skipped_count",
+  return SkipStats(**_counters.zeros(dtype, "norm", "norm_mean", "norm_var"),
+                   **_counters.zeros(jnp.int32, "count", "skipped_count",
                                   "nonfinite_count", "max_norm_count",
                                   "zscore_count", "ema_count", "stale_count"))
 
@@ -100,18 +100,18 @@ def _moments(stats: SkipStats, norm: jax.Array, accepted: jax.Array,
           "norm_var": jnp.where(restart, 0,
                                 jnp.where(accepted, var, stats.norm_var)),
           "ema_count": jnp.where(restart, 1,
-                                 _stats.count_if(accepted, stats.ema_count)),
+                                 _counters.count_if(accepted, stats.ema_count)),
           "stale_count": stale}
 
 
 def _keep_unless_loss_scale(skip: jax.Array, new: PyTree, old: PyTree) -> PyTree:
   """``old`` where ``skip``, leaf by leaf; loss-scale states always advance."""
   def select(n, o):
-    if _loss_scale.is_loss_scale_state(n):
+    if _placement.is_loss_scale_state(n):
       return n  # an overflow's back-off must stick
     return jnp.where(skip, o, n)
   return jax.tree.map(select, new, old,
-                      is_leaf=_loss_scale.is_loss_scale_state)
+                      is_leaf=_placement.is_loss_scale_state)
 
 
 def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
@@ -235,7 +235,7 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
 
   def init_fn(params):
     inner_state = inner.init(params)
-    _loss_scale.check_placement(inner_state, f"{fn}(inner=...).init",
+    _placement.check_placement(inner_state, f"{fn}(inner=...).init",
                                 "inner_state")
     return SkipState(stats=_init_stats(_running_stats.statistics_dtype(params)),
                      inner_state=inner_state)
@@ -249,7 +249,7 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
     # its finiteness is the gradients' (one pass for both questions).
     dtype = stats.norm.dtype  # the statistics' (see init), every step
     norm = _norms.norm_of_leaves(leaves, p, reduction).astype(dtype)
-    loss_scales = _loss_scale.find_loss_scale_states(state.inner_state)
+    loss_scales = _placement.find_loss_scale_states(state.inner_state)
     if loss_scales:  # the input is scaled: judge the unscaled gradients
       norm = (norm / loss_scales[0].scale).astype(dtype)
     finite = jnp.isfinite(norm)
@@ -274,10 +274,10 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
         lambda u: jnp.where(skip, jnp.zeros_like(u), u), new_updates)
     new_inner = _keep_unless_loss_scale(skip, new_inner, state.inner_state)
 
-    count_if = _stats.count_if
+    count_if = _counters.count_if
     new_stats = SkipStats(
         norm=norm,
-        count=_stats.increment(stats.count),
+        count=_counters.increment(stats.count),
         skipped_count=count_if(skip, stats.skipped_count),
         nonfinite_count=count_if(~finite, stats.nonfinite_count),
         max_norm_count=count_if(too_large, stats.max_norm_count),

@@ -15,6 +15,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+# Old homes of the step counters, for modules not yet moved to _counters.
+from optaxclip._counters import clip_rate as clip_rate
+from optaxclip._counters import step_counts as step_counts
+from optaxclip._counters import zeros as zeros
+
 Summary = Callable[[Any], dict[str, jax.Array]]
 _REGISTRY: dict[type, tuple[str, Summary]] = {}
 _CLIPPERS: set[type] = set()
@@ -88,43 +93,3 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
       # jnp.asarray unwraps containers such as flax.nnx's OptArray.
       result[f"{prefix}/{field}"] = jnp.asarray(value)
   return result
-
-
-
-def zeros(dtype: Any, *fields: str) -> dict[str, jax.Array]:
-  """A scalar zero of ``dtype`` for each state field in ``fields``.
-
-  One array per field, never shared: ``jit`` cannot donate one buffer twice,
-  so a fresh state whose fields shared an array could not be donated.
-  """
-  return {field: jnp.zeros([], dtype) for field in fields}
-
-
-def increment(counter: jax.Array) -> jax.Array:
-  """``counter + 1``, saturating at the int32 maximum."""
-  return count_if(True, counter)
-
-
-def count_if(flag: Any, counter: jax.Array) -> jax.Array:
-  """``counter + 1`` where ``flag`` (saturating at the int32 maximum)."""
-  # An add of a 0/1 rather than a select between two counts: every op here
-  # is compiled into the step, and XLA:CPU pays for each.
-  below_max = counter < jnp.iinfo(counter.dtype).max
-  return counter + (flag & below_max).astype(counter.dtype)
-
-
-def step_counts(state: Any, *, finite: jax.Array,
-                clipped: jax.Array) -> dict[str, jax.Array]:
-  """The usual counters after one more step: every clipper's state has them.
-
-  ``count`` (steps seen), ``clipped_count`` (finite steps that were scaled
-  down) and ``nonfinite_count`` (steps whose norm was NaN or Inf).
-  """
-  return {"count": increment(state.count),
-          "clipped_count": count_if(finite & clipped, state.clipped_count),
-          "nonfinite_count": count_if(~finite, state.nonfinite_count)}
-
-
-def clip_rate(state: Any) -> jax.Array:
-  """The fraction of steps that were clipped, as float32."""
-  return (state.clipped_count / jnp.maximum(state.count, 1)).astype(jnp.float32)

@@ -50,6 +50,24 @@ def map_clippable(fn: Callable[[jax.Array], jax.Array], tree: PyTree) -> PyTree:
   return jax.tree.map(lambda x: fn(as_array(x)) if is_clippable(x) else x, tree)
 
 
+def map_clippable_indexed(fn: Callable[[jax.Array, int], jax.Array],
+                          tree: PyTree) -> PyTree:
+  """``fn(leaf, i)`` on the ``i``-th clippable leaf of ``tree``; others pass.
+
+  ``i`` counts clippable leaves in tree order, as in ``clippable_leaves``, so
+  it indexes whatever was computed from them (one norm or factor per leaf).
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  out, index = [], 0
+  for x in leaves:
+    if is_clippable(x):
+      out.append(fn(as_array(x), index))
+      index += 1
+    else:
+      out.append(x)
+  return treedef.unflatten(out)
+
+
 def accumulation_dtype(leaves: list[Any]) -> jnp.dtype:
   """float32, or float64 when any leaf is (complex) float64.
 

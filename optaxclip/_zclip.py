@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxclip import _norm_clipping, _norms, _running_stats, _stats, _tree, _validation
+from optaxclip import _counters, _norms, _running_stats, _scaling, _stats, _tree, _validation
 
 PyTree = Any
 
@@ -59,7 +59,7 @@ def _summarize(state: ZClipState) -> dict[str, jax.Array]:
           "count": state.count, "clipped_count": state.clipped_count,
           "spike_count": state.spike_count,
           "nonfinite_count": state.nonfinite_count,
-          "clip_rate": _stats.clip_rate(state)}
+          "clip_rate": _counters.clip_rate(state)}
 
 
 _stats.register(ZClipState, "zclip", _summarize)
@@ -202,8 +202,8 @@ def zclip(*, alpha: Any = 0.97, z_thresh: Any = 2.5,
     return ZClipState(
         warmup_norms=jnp.zeros([length], dtype),
         scale=jnp.ones([], dtype),
-        **_stats.zeros(dtype, "mean", "var", "norm", "z", "threshold"),
-        **_stats.zeros(jnp.int32, "collected", "count", "clipped_count",
+        **_counters.zeros(dtype, "mean", "var", "norm", "z", "threshold"),
+        **_counters.zeros(jnp.int32, "collected", "count", "clipped_count",
                        "spike_count", "nonfinite_count", "stale_count"))
 
   def spike_threshold(norm, mean, std, z):
@@ -258,7 +258,7 @@ def zclip(*, alpha: Any = 0.97, z_thresh: Any = 2.5,
     coefficient = _safe_divide(threshold, norm + COEFFICIENT_EPS, 1.0)
     factor = jnp.where(norm > threshold, coefficient, 1.0)
     if max_grad_norm is not None:  # warm-up: torch's clip_grad_norm_
-      warm_factor = _norm_clipping.clip_factor(norm, max_grad_norm,
+      warm_factor = _scaling.clip_factor(norm, max_grad_norm,
                                                COEFFICIENT_EPS)
     else:
       warm_factor = jnp.ones([], dtype)
@@ -287,9 +287,9 @@ def zclip(*, alpha: Any = 0.97, z_thresh: Any = 2.5,
         collected=jnp.where(restart, 0, collected).astype(jnp.int32),
         norm=norm, z=jnp.where(warming, 0.0, z).astype(dtype),
         threshold=threshold.astype(dtype), scale=factor.astype(dtype),
-        spike_count=_stats.count_if(spike, state.spike_count),
+        spike_count=_counters.count_if(spike, state.spike_count),
         stale_count=stale,
-        **_stats.step_counts(state, finite=finite, clipped=factor < 1))
-    return _norm_clipping.scale_leaves(updates, factor), new_state
+        **_counters.step_counts(state, finite=finite, clipped=factor < 1))
+    return _scaling.scale_leaves(updates, factor), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)
