@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from optaxclip import _counters, _norms, _running_stats, _scaling, _stats, _tree, _validation
+from optaxclip._types import AxisName, Scalar
 
 PyTree = Any
 
@@ -23,36 +24,52 @@ PyTree = Any
 class AdaGCState(NamedTuple):
   """State of ``adagc``: one threshold per tensor and scalar statistics.
 
-  The float fields are float32, or float64 when x64 is on and ``init`` was
+  ``float`` below is float32, or float64 when x64 is on and ``init`` was
   given float64 parameters.
+
+  Attributes:
+    gamma: float ``[clippable leaves]``: each tensor's clipped-norm
+      statistic (+inf before the first step).
+    norm_min: float ``[]``: the smallest global norm of the warm-up steps
+      that fed ``gamma`` (+inf before the first).
+    norm: float ``[]``: the pre-clip global norm of the last update.
+    scale: float ``[]``: the smallest per-tensor factor applied last step.
+    clipped_tensors: int32 ``[]``: tensors with a factor < 1 last step.
+    count: int32 ``[]``: steps seen (warm-up while ``count <
+      warmup_steps``).
+    clipped_count: int32 ``[]``: steps with a finite norm and a factor < 1.
+    nonfinite_count: int32 ``[]``: steps whose norm was NaN or Inf.
   """
-  gamma: jax.Array  # float [clippable leaves]: per-tensor clipped-norm
-  #                   statistic (+inf before the first step)
-  norm_min: jax.Array  # float: smallest global norm of the warm-up steps
-  #                      that fed gamma (+inf before the first)
-  norm: jax.Array  # float: pre-clip global norm of the last update
-  scale: jax.Array  # float: smallest per-tensor factor applied last step
-  clipped_tensors: jax.Array  # int32: tensors with factor < 1 last step
-  count: jax.Array  # int32: steps seen (warm-up while count < warmup_steps)
-  clipped_count: jax.Array  # int32: steps with a finite norm and a factor < 1
-  nonfinite_count: jax.Array  # int32: steps whose norm was NaN or Inf
+  gamma: jax.Array
+  norm_min: jax.Array
+  norm: jax.Array
+  scale: jax.Array
+  clipped_tensors: jax.Array
+  count: jax.Array
+  clipped_count: jax.Array
+  nonfinite_count: jax.Array
+
+  @classmethod
+  def fresh(cls, dtype: jax.typing.DTypeLike, tensors: int) -> "AdaGCState":
+    """The state before the first step, for ``tensors`` clippable leaves."""
+    return cls(gamma=jnp.full([tensors], jnp.inf, dtype),
+               norm_min=jnp.full([], jnp.inf, dtype),
+               norm=jnp.zeros([], dtype), scale=jnp.ones([], dtype),
+               clipped_tensors=_counters.zero(), count=_counters.zero(),
+               clipped_count=_counters.zero(), nonfinite_count=_counters.zero())
 
 
-def _summarize(state: AdaGCState) -> dict[str, jax.Array]:
-  return {"norm": state.norm, "scale": state.scale,
-          "clipped_tensors": state.clipped_tensors,
-          "gamma_min": jnp.min(state.gamma, initial=jnp.inf),
+def _extras(state: AdaGCState) -> dict[str, jax.Array]:
+  return {"gamma_min": jnp.min(state.gamma, initial=jnp.inf),
           "gamma_max": jnp.max(state.gamma, initial=0.0),
-          "count": state.count, "clipped_count": state.clipped_count,
-          "nonfinite_count": state.nonfinite_count,
           "clip_rate": _counters.clip_rate(state)}
 
 
-_stats.register(AdaGCState, "adagc", _summarize)
+_stats.register(AdaGCState, "adagc", hide=("gamma", "norm_min"), extras=_extras)
 
 
-def adagc(*, lambda_abs: Any = 1.0, lambda_rel: Any = 1.05, beta: Any = 0.98,
-          warmup_steps: Any = 100, eps: Any = 0.0, axis_name: Any = None,
+def adagc(*, lambda_abs: Scalar = 1.0, lambda_rel: Scalar = 1.05, beta: Scalar = 0.98,
+          warmup_steps: Scalar = 100, eps: Scalar = 0.0, axis_name: AxisName = None,
           specs: PyTree = None) -> optax.GradientTransformation:
   """Clips each tensor against an EMA of its own clipped norm (AdaGC).
 
@@ -152,14 +169,8 @@ def adagc(*, lambda_abs: Any = 1.0, lambda_rel: Any = 1.05, beta: Any = 0.98,
   _validation.check_specs(fn, specs, axis_name)
 
   def init_fn(params):
-    count = len(_tree.clippable_leaves(params))
-    dtype = _running_stats.statistics_dtype(params)
-    return AdaGCState(
-        gamma=jnp.full([count], jnp.inf, dtype),
-        norm_min=jnp.full([], jnp.inf, dtype),
-        norm=jnp.zeros([], dtype), scale=jnp.ones([], dtype),
-        **_counters.zeros(jnp.int32, "clipped_tensors", "count", "clipped_count",
-                       "nonfinite_count"))
+    return AdaGCState.fresh(_running_stats.statistics_dtype(params),
+                            len(_tree.clippable_leaves(params)))
 
   def update_fn(updates, state, params=None):
     del params

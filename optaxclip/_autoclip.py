@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from optaxclip import _counters, _norms, _running_stats, _scaling, _stats, _tree, _validation
+from optaxclip._types import AxisName, Scalar
 
 PyTree = Any
 
@@ -21,29 +22,42 @@ PyTree = Any
 class AutoClipState(NamedTuple):
   """State of ``auto_clip``: a ring buffer of norms and scalar statistics.
 
-  The float fields are float32, or float64 when x64 is on and ``init`` was
+  ``float`` below is float32, or float64 when x64 is on and ``init`` was
   given float64 parameters.
+
+  Attributes:
+    norms: float ``[history]``: past finite norms (a ring buffer).
+    position: int32 ``[]``: the slot the next norm is written to.
+    size: int32 ``[]``: how many slots hold a norm (at most ``history``).
+    norm: float ``[]``: the pre-clip global norm of the last update.
+    threshold: float ``[]``: the percentile the last update was clipped to.
+    scale: float ``[]``: the factor applied last step (1 = not clipped).
+    count: int32 ``[]``: steps seen.
+    clipped_count: int32 ``[]``: steps with a finite norm and ``scale < 1``.
+    nonfinite_count: int32 ``[]``: steps whose norm was NaN or Inf.
   """
-  norms: jax.Array  # float [history]: past finite norms (ring buffer)
-  position: jax.Array  # int32: the slot the next norm is written to
-  size: jax.Array  # int32: how many slots hold a norm (<= history)
-  norm: jax.Array  # float: pre-clip global norm of the last update
-  threshold: jax.Array  # float: the percentile the last update was clipped to
-  scale: jax.Array  # float: factor applied last step (1.0 = not clipped)
-  count: jax.Array  # int32: steps seen
-  clipped_count: jax.Array  # int32: steps with a finite norm and scale < 1
-  nonfinite_count: jax.Array  # int32: steps whose norm was NaN or Inf
+  norms: jax.Array
+  position: jax.Array
+  size: jax.Array
+  norm: jax.Array
+  threshold: jax.Array
+  scale: jax.Array
+  count: jax.Array
+  clipped_count: jax.Array
+  nonfinite_count: jax.Array
+
+  @classmethod
+  def fresh(cls, dtype: jax.typing.DTypeLike, history: int) -> "AutoClipState":
+    """The state before the first step: an empty buffer of ``history``."""
+    return cls(norms=jnp.zeros([history], dtype), position=_counters.zero(),
+               size=_counters.zero(), norm=jnp.zeros([], dtype),
+               threshold=jnp.zeros([], dtype), scale=jnp.ones([], dtype),
+               count=_counters.zero(), clipped_count=_counters.zero(),
+               nonfinite_count=_counters.zero())
 
 
-def _summarize(state: AutoClipState) -> dict[str, jax.Array]:
-  return {"norm": state.norm, "threshold": state.threshold,
-          "scale": state.scale, "count": state.count,
-          "clipped_count": state.clipped_count,
-          "nonfinite_count": state.nonfinite_count,
-          "clip_rate": _counters.clip_rate(state)}
-
-
-_stats.register(AutoClipState, "auto_clip", _summarize)
+_stats.register(AutoClipState, "auto_clip", hide=("norms", "position", "size"),
+                extras=lambda state: {"clip_rate": _counters.clip_rate(state)})
 
 
 def percentile_of_prefix(values: jax.Array, size: jax.Array,
@@ -77,8 +91,8 @@ def percentile_of_prefix(values: jax.Array, size: jax.Array,
   return jnp.where(size > 0, value, jnp.inf)
 
 
-def auto_clip(percentile: Any = 10.0, *, history: int = 1000,
-              eps: Any = 1e-6, axis_name: Any = None,
+def auto_clip(percentile: Scalar = 10.0, *, history: int = 1000,
+              eps: Scalar = 1e-6, axis_name: AxisName = None,
               specs: PyTree = None) -> optax.GradientTransformation:
   """Clips to a percentile of the gradient norms seen so far (AutoClip).
 
@@ -147,13 +161,7 @@ def auto_clip(percentile: Any = 10.0, *, history: int = 1000,
 
   def init_fn(params):
     length = _validation.require_buffer_size(fn, "history", size)
-    dtype = _running_stats.statistics_dtype(params)
-    return AutoClipState(
-        norms=jnp.zeros([length], dtype),
-        scale=jnp.ones([], dtype),
-        **_counters.zeros(dtype, "norm", "threshold"),
-        **_counters.zeros(jnp.int32, "position", "size", "count", "clipped_count",
-                       "nonfinite_count"))
+    return AutoClipState.fresh(_running_stats.statistics_dtype(params), length)
 
   def update_fn(updates, state, params=None):
     del params

@@ -50,37 +50,60 @@ checkpoint keeps every field, and a restored run goes on with the same
 schedule (``jmp`` loses ``min_loss_scale`` on a ``jit`` round-trip).
 """
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from optaxclip import _counters, _norms, _placement, _scaling, _stats, _tree, _validation
+from optaxclip._types import AxisName, Scalar
 
 PyTree = Any
 
 
 class LossScaleState(NamedTuple):
-  """State of ``dynamic_loss_scale``; every field is a scalar."""
-  scale: jax.Array  # float32: the loss scale for the next step (multiply
-  #                   the loss by it before jax.grad)
-  good_steps: jax.Array  # int32: finite steps since the scale last changed
-  count: jax.Array  # int32: steps seen
-  overflow_count: jax.Array  # int32: steps whose gradients overflowed
+  """State of ``dynamic_loss_scale``; every field is a scalar.
+
+  Attributes:
+    scale: float32 ``[]``: the loss scale for the next step (multiply the
+      loss by it before ``jax.grad``).
+    good_steps: int32 ``[]``: finite steps since the scale last changed.
+    count: int32 ``[]``: steps seen.
+    overflow_count: int32 ``[]``: steps whose gradients overflowed.
+  """
+  scale: jax.Array
+  good_steps: jax.Array
+  count: jax.Array
+  overflow_count: jax.Array
+
+  @classmethod
+  def fresh(cls, scale: jax.typing.ArrayLike) -> "LossScaleState":
+    """The state before the first step, with the loss scale ``scale``."""
+    # A copy: the state must not alias the user's (or an injected) array,
+    # or donating the state would delete it, or donate one buffer twice.
+    return cls(scale=jnp.array(scale, jnp.float32, copy=True),
+               good_steps=_counters.zero(), count=_counters.zero(),
+               overflow_count=_counters.zero())
 
 
 class LossScaleWrapperState(NamedTuple):
-  """State of ``dynamic_loss_scale(inner)``: the scale's and the optimizer's."""
-  loss_scale: LossScaleState  # read by optaxclip.stats as "loss_scale/<field>"
-  inner_state: Any  # the wrapped optimizer's state
+  """State of ``dynamic_loss_scale(inner)``: the scale's and the optimizer's.
+
+  Attributes:
+    loss_scale: the ``LossScaleState``, read by ``optaxclip.stats`` as
+      ``loss_scale/<field>``.
+    inner_state: the wrapped optimizer's state.
+  """
+  loss_scale: LossScaleState
+  inner_state: optax.OptState
 
 
 _stats.register(LossScaleState, "loss_scale", clips=False)
 _placement.register_loss_scale(LossScaleState, LossScaleWrapperState)
 
 
-def loss_scale(opt_state: Any) -> jax.Array:
+def loss_scale(opt_state: optax.OptState) -> jax.Array:
   """The current loss scale held in an optimizer state.
 
   Finds the state of the one ``dynamic_loss_scale`` anywhere in
@@ -131,7 +154,7 @@ def loss_scale(opt_state: Any) -> jax.Array:
 
 
 def unscale(updates: PyTree, state: LossScaleState, *,
-            axis_name: Any = None) -> tuple[PyTree, jax.Array]:
+            axis_name: AxisName = None) -> tuple[PyTree, jax.Array]:
   """The updates divided by the scale (zeros on an overflow), and whether
   they were finite."""
   # A multiply by 1/scale: exact for powers of two, and each leaf keeps its
@@ -144,8 +167,8 @@ def unscale(updates: PyTree, state: LossScaleState, *,
       lambda u: jnp.where(finite, u, jnp.zeros_like(u)), unscaled), finite
 
 
-def adjust(state: LossScaleState, finite: jax.Array, *, period: Any,
-           factor: Any, min_scale: Any) -> LossScaleState:
+def adjust(state: LossScaleState, finite: jax.Array, *, period: Scalar,
+           factor: Scalar, min_scale: Scalar) -> LossScaleState:
   """The state after one step: back off on an overflow, grow after
   ``period`` finite steps in a row (unless that would overflow float32)."""
   scale = state.scale
@@ -166,14 +189,15 @@ def adjust(state: LossScaleState, finite: jax.Array, *, period: Any,
                                increment(state.overflow_count)))
 
 
-def _is_transform(x: Any) -> bool:
+def _is_transform(x: Any) -> TypeGuard[optax.GradientTransformation]:
   return hasattr(x, "init") and hasattr(x, "update")
 
 
 def dynamic_loss_scale(
-    initial_scale: Any = 2.0**15,  # a number, or the optimizer (as `inner`)
-    *, period: Any = 2000, factor: Any = 2.0, min_scale: Any = 1.0,
-    axis_name: Any = None, inner: optax.GradientTransformation | None = None,
+    # a number, or the optimizer (as `inner`)
+    initial_scale: Scalar | optax.GradientTransformation = 2.0**15,
+    *, period: Scalar = 2000, factor: Scalar = 2.0, min_scale: Scalar = 1.0,
+    axis_name: AxisName = None, inner: optax.GradientTransformation | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Unscales loss-scaled gradients and adapts the loss scale (float16).
 
@@ -251,27 +275,23 @@ def dynamic_loss_scale(
   if inner is not None and not _is_transform(inner):
     raise TypeError(f"`{fn}(inner=...)` must be an optax GradientTransformation "
                     f"or None, got {inner!r}")
-  initial_scale = _validation.check_positive(fn, "initial_scale",
-                                             initial_scale, traced=1.0)
+  first: Any = _validation.check_positive(fn, "initial_scale", initial_scale,
+                                          traced=1.0)
   period = _validation.check_integer(fn, "period", period, 1)
   factor = _validation.check_at_least(fn, "factor", factor, 1)
-  min_scale = _validation.check_positive(fn, "min_scale", min_scale,
-                                         traced=1.0)
-  if not any(map(_validation.is_traced, (initial_scale, min_scale))) \
-      and float(min_scale) > float(initial_scale):
+  lowest: Any = _validation.check_positive(fn, "min_scale", min_scale,
+                                           traced=1.0)
+  if not any(map(_validation.is_traced, (first, lowest))) \
+      and float(lowest) > float(first):
     raise ValueError(
         f"`{fn}(min_scale=...)` must be <= initial_scale, got min_scale="
-        f"{min_scale!r} > initial_scale={initial_scale!r}")
+        f"{lowest!r} > initial_scale={first!r}")
   _validation.check_axis_name(fn, axis_name)
-  schedule = {"period": period, "factor": factor, "min_scale": min_scale}
+  schedule = {"period": period, "factor": factor, "min_scale": lowest}
   wrapped = None if inner is None else optax.with_extra_args_support(inner)
 
   def init_fn(params):
-    # A copy: the state must not alias the user's (or an injected) array,
-    # or donating the state would delete it, or donate one buffer twice.
-    state = LossScaleState(scale=jnp.array(initial_scale, jnp.float32, copy=True),
-                           **_counters.zeros(jnp.int32, "good_steps", "count",
-                                          "overflow_count"))
+    state = LossScaleState.fresh(first)
     if wrapped is None:
       return state
     inner_state = wrapped.init(params)

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from optaxclip import _norms, _stats, _tree, _validation
+from optaxclip._types import AxisName, Ord, Scalar
 
 PyTree = Any
 
@@ -32,9 +33,13 @@ class MicrobatchGuardState(NamedTuple):
   ``MultiSteps`` keeps it as ``MultiStepsState.skip_state``. It gives the
   predicate no memory, so these describe the last micro-batch only: sum
   ``skipped`` over steps to count the dropped ones.
+
+  Attributes:
+    norm: float32 ``[]``: the global norm of the last micro-batch.
+    skipped: bool ``[]``: whether it was dropped.
   """
-  norm: jax.Array  # float32: global norm of the last micro-batch
-  skipped: jax.Array  # bool: whether it was dropped
+  norm: jax.Array
+  skipped: jax.Array
 
 
 _stats.register(MicrobatchGuardState, "microbatch", clips=False)
@@ -43,8 +48,8 @@ ShouldSkip = Callable[[PyTree, jax.Array, PyTree],
                       tuple[jax.Array, MicrobatchGuardState]]
 
 
-def microbatch_guard(*, max_norm: Any = None, ord: Any = 2,
-                     axis_name: Any = None) -> ShouldSkip:
+def microbatch_guard(*, max_norm: Scalar | None = None, ord: Ord = 2,
+                     axis_name: AxisName = None) -> ShouldSkip:
   """A ``should_skip_update_fn`` for ``optax.MultiSteps``: drops bad micro-batches.
 
   A micro-batch is dropped (``MultiSteps`` neither accumulates nor counts

@@ -25,6 +25,7 @@ from optaxclip import _counters, _nonfinite, _norms, _running_stats, _stats, _tr
 # Old home of clip_factor and scale_leaves, for modules not yet moved to _scaling.
 from optaxclip._scaling import clip_factor as clip_factor
 from optaxclip._scaling import scale_leaves as scale_leaves
+from optaxclip._types import AxisName, NonFinite, Ord, Scalar
 
 PyTree = Any
 
@@ -34,31 +35,40 @@ PYTORCH_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ divides by norm + 1e-6
 class ClipState(NamedTuple):
   """State of the norm-based clippers; every field is a scalar.
 
-  The float fields are float32, or float64 when x64 is on and ``init`` was
+  ``float`` below is float32, or float64 when x64 is on and ``init`` was
   given float64 parameters (so that a float64 norm beyond float32's range
   is logged, not taken for Inf).
+
+  Attributes:
+    norm: float ``[]``: the pre-clip norm of the last update (per-leaf
+      clippers: the largest leaf norm).
+    scale: float ``[]``: the factor applied last step (per leaf: the
+      smallest).
+    count: int32 ``[]``: steps seen.
+    clipped_count: int32 ``[]``: steps with a finite norm and ``scale < 1``.
+    nonfinite_count: int32 ``[]``: steps whose norm was NaN or Inf.
   """
-  norm: jax.Array  # float: pre-clip norm of the last update (per-leaf
-  #                  clippers: the largest leaf norm)
-  scale: jax.Array  # float: factor applied last step (per leaf: smallest)
-  count: jax.Array  # int32: steps seen
-  clipped_count: jax.Array  # int32: steps with a finite norm and scale < 1
-  nonfinite_count: jax.Array  # int32: steps whose norm was NaN or Inf
+  norm: jax.Array
+  scale: jax.Array
+  count: jax.Array
+  clipped_count: jax.Array
+  nonfinite_count: jax.Array
+
+  @classmethod
+  def fresh(cls, dtype: jax.typing.DTypeLike) -> "ClipState":
+    """The state before the first step, its floats in ``dtype``."""
+    return cls(norm=jnp.zeros([], dtype), scale=jnp.ones([], dtype),
+               count=_counters.zero(), clipped_count=_counters.zero(),
+               nonfinite_count=_counters.zero())
 
 
-def _summarize(state: ClipState) -> dict[str, jax.Array]:
-  return {**state._asdict(), "clip_rate": _counters.clip_rate(state)}
-
-
-_stats.register(ClipState, "clip", _summarize)
+_stats.register(ClipState, "clip",
+                extras=lambda state: {"clip_rate": _counters.clip_rate(state)})
 
 
 def init_clip_state(params: PyTree = None) -> ClipState:
   """A fresh ``ClipState``, its floats in the statistics dtype of ``params``."""
-  dtype = _running_stats.statistics_dtype(params)
-  return ClipState(norm=jnp.zeros([], dtype), scale=jnp.ones([], dtype),
-                   **_counters.zeros(jnp.int32, "count", "clipped_count",
-                                  "nonfinite_count"))
+  return ClipState.fresh(_running_stats.statistics_dtype(params))
 
 
 def _check_common(fn: str, max_norm: Any, ord: Any, eps: Any,
@@ -84,8 +94,8 @@ def _clip(fn: str, tree: PyTree, max_norm, p, eps, axis_name, specs, *,
   return scale_leaves(tree, factors), norms, factors
 
 
-def clip_by_norm_fn(tree: PyTree, max_norm: Any, *, ord: Any = 2,
-                    eps: Any = 0.0, axis_name: Any = None,
+def clip_by_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
+                    eps: Scalar = 0.0, axis_name: AxisName = None,
                     specs: PyTree = None) -> PyTree:
   """Clips every leaf of ``tree`` by its own ``ord``-norm.
 
@@ -123,8 +133,8 @@ def clip_by_norm_fn(tree: PyTree, max_norm: Any, *, ord: Any = 2,
   return clipped
 
 
-def clip_by_global_norm_fn(tree: PyTree, max_norm: Any, *, ord: Any = 2,
-                           eps: Any = 0.0, axis_name: Any = None,
+def clip_by_global_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
+                           eps: Scalar = 0.0, axis_name: AxisName = None,
                            specs: PyTree = None) -> tuple[PyTree, jax.Array]:
   """Scales ``tree`` so that its global ``ord``-norm is at most ``max_norm``.
 
@@ -201,9 +211,9 @@ def _norm_clipper(fn: str, max_norm, p, eps, axis_name, specs, nonfinite, *,
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def clip_by_norm(max_norm: Any, *, ord: Any = 2, eps: Any = 0.0,
-                 axis_name: Any = None, specs: PyTree = None,
-                 nonfinite: str = "propagate") -> optax.GradientTransformation:
+def clip_by_norm(max_norm: Scalar, *, ord: Ord = 2, eps: Scalar = 0.0,
+                 axis_name: AxisName = None, specs: PyTree = None,
+                 nonfinite: NonFinite = "propagate") -> optax.GradientTransformation:
   """Clips every leaf of the updates by its own norm.
 
   The transform form of ``optaxclip.functional.clip_by_norm``. Its state
@@ -242,9 +252,9 @@ def clip_by_norm(max_norm: Any, *, ord: Any = 2, eps: Any = 0.0,
                        nonfinite, per_leaf=True)
 
 
-def clip_by_global_norm(max_norm: Any, *, ord: Any = 2, eps: Any = 0.0,
-                        axis_name: Any = None, specs: PyTree = None,
-                        nonfinite: str = "propagate"
+def clip_by_global_norm(max_norm: Scalar, *, ord: Ord = 2, eps: Scalar = 0.0,
+                        axis_name: AxisName = None, specs: PyTree = None,
+                        nonfinite: NonFinite = "propagate"
                         ) -> optax.GradientTransformation:
   """Scales the updates so that their global norm is at most ``max_norm``.
 
@@ -300,9 +310,9 @@ def clip_by_global_norm(max_norm: Any, *, ord: Any = 2, eps: Any = 0.0,
                        specs, nonfinite, per_leaf=False)
 
 
-def clip_grad_norm(max_norm: Any, norm_type: Any = 2.0, *,
+def clip_grad_norm(max_norm: Scalar, norm_type: Ord = 2.0, *,
                    error_if_nonfinite: bool = False,
-                   axis_name: Any = None, specs: PyTree = None
+                   axis_name: AxisName = None, specs: PyTree = None
                    ) -> optax.GradientTransformation:
   """PyTorch's ``torch.nn.utils.clip_grad_norm_`` as an Optax transform.
 

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import optax
 
 from optaxclip import _counters, _norms, _placement, _running_stats, _stats, _tree, _validation
+from optaxclip._types import AxisName, Ord, Scalar
 
 PyTree = Any
 
@@ -37,46 +38,67 @@ PyTree = Any
 class SkipStats(NamedTuple):
   """The counters and statistics of ``skip_step``; every field is a scalar.
 
-  The float fields are float32, or float64 when x64 is on and ``init`` was
+  ``float`` below is float32, or float64 when x64 is on and ``init`` was
   given float64 parameters.
+
+  Attributes:
+    norm: float ``[]``: the global norm of the last gradients (unscaled).
+    count: int32 ``[]``: steps seen.
+    skipped_count: int32 ``[]``: steps skipped, for any reason.
+    nonfinite_count: int32 ``[]``: steps whose norm was NaN or Inf.
+    max_norm_count: int32 ``[]``: finite steps with a norm above
+      ``max_norm``.
+    zscore_count: int32 ``[]``: finite steps with a z-score above
+      ``zscore`` (after the warm-up); a step may count in both.
+    ema_count: int32 ``[]``: accepted steps that fed the statistics (since
+      they last started again).
+    norm_mean: float ``[]``: the EMA of the accepted norms.
+    norm_var: float ``[]``: the EMA of their squared deviation.
+    stale_count: int32 ``[]``: accepted norms in a row 100 times below the
+      mean (3 start the statistics again).
   """
-  norm: jax.Array  # float: global norm of the last gradients (unscaled)
-  count: jax.Array  # int32: steps seen
-  skipped_count: jax.Array  # int32: steps skipped, for any reason
-  nonfinite_count: jax.Array  # int32: steps whose norm was NaN or Inf
-  max_norm_count: jax.Array  # int32: finite steps with norm > max_norm
-  zscore_count: jax.Array  # int32: finite steps with a z-score > zscore
-  #                          (after warm-up); a step may count in both
-  ema_count: jax.Array  # int32: accepted steps that fed the statistics
-  #                        (since they last started again)
-  norm_mean: jax.Array  # float: EMA of the accepted norms
-  norm_var: jax.Array  # float: EMA of their squared deviation
-  stale_count: jax.Array  # int32: accepted norms in a row 100x below the
-  #                         mean (3 start the statistics again)
+  norm: jax.Array
+  count: jax.Array
+  skipped_count: jax.Array
+  nonfinite_count: jax.Array
+  max_norm_count: jax.Array
+  zscore_count: jax.Array
+  ema_count: jax.Array
+  norm_mean: jax.Array
+  norm_var: jax.Array
+  stale_count: jax.Array
+
+  @classmethod
+  def fresh(cls, dtype: jax.typing.DTypeLike) -> "SkipStats":
+    """The statistics before the first step, their floats in ``dtype``."""
+    return cls(norm=jnp.zeros([], dtype), count=_counters.zero(),
+               skipped_count=_counters.zero(), nonfinite_count=_counters.zero(),
+               max_norm_count=_counters.zero(), zscore_count=_counters.zero(),
+               ema_count=_counters.zero(), norm_mean=jnp.zeros([], dtype),
+               norm_var=jnp.zeros([], dtype), stale_count=_counters.zero())
 
 
 class SkipState(NamedTuple):
-  """State of ``skip_step``: its statistics and the wrapped optimizer's."""
-  stats: SkipStats  # read by optaxclip.stats as "skip/<field>"
-  inner_state: Any  # the inner optimizer's state
+  """State of ``skip_step``: its statistics and the wrapped optimizer's.
+
+  Attributes:
+    stats: the ``SkipStats``, read by ``optaxclip.stats`` as
+      ``skip/<field>``.
+    inner_state: the inner optimizer's state.
+  """
+  stats: SkipStats
+  inner_state: optax.OptState
 
 
-def _summarize(stats: SkipStats) -> dict[str, jax.Array]:
+def _extras(stats: SkipStats) -> dict[str, jax.Array]:
   rate = stats.skipped_count / jnp.maximum(stats.count, 1)
-  fields = stats._asdict()
-  del fields["stale_count"]  # bookkeeping, not a statistic
-  return {**fields, "norm_std": _running_stats.safe_sqrt(stats.norm_var),
+  return {"norm_std": _running_stats.safe_sqrt(stats.norm_var),
           "skip_rate": rate.astype(jnp.float32)}
 
 
-_stats.register(SkipStats, "skip", _summarize, clips=False)
-
-
-def _init_stats(dtype: jnp.dtype) -> SkipStats:
-  return SkipStats(**_counters.zeros(dtype, "norm", "norm_mean", "norm_var"),
-                   **_counters.zeros(jnp.int32, "count", "skipped_count",
-                                  "nonfinite_count", "max_norm_count",
-                                  "zscore_count", "ema_count", "stale_count"))
+# stale_count is bookkeeping, not a statistic.
+_stats.register(SkipStats, "skip", hide=("stale_count",), extras=_extras,
+                clips=False)
 
 
 def _moments(stats: SkipStats, norm: jax.Array, accepted: jax.Array,
@@ -115,9 +137,9 @@ def _keep_unless_loss_scale(skip: jax.Array, new: PyTree, old: PyTree) -> PyTree
 
 
 def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
-              max_norm: Any = None, zscore: Any = None,
-              ema_decay: Any = 0.99, warmup_steps: Any = 100, ord: Any = 2,
-              axis_name: Any = None, specs: PyTree = None
+              max_norm: Scalar | None = None, zscore: Scalar | None = None,
+              ema_decay: Scalar = 0.99, warmup_steps: Scalar = 100, ord: Ord = 2,
+              axis_name: AxisName = None, specs: PyTree = None
               ) -> optax.GradientTransformationExtraArgs:
   """Skips whole optimizer steps on non-finite gradients and norm spikes.
 
@@ -237,7 +259,7 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
     inner_state = inner.init(params)
     _placement.check_placement(inner_state, f"{fn}(inner=...).init",
                                 "inner_state")
-    return SkipState(stats=_init_stats(_running_stats.statistics_dtype(params)),
+    return SkipState(stats=SkipStats.fresh(_running_stats.statistics_dtype(params)),
                      inner_state=inner_state)
 
   def update_fn(updates, state, params=None, **extra_args):

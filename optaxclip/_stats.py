@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 # Old homes of the step counters, for modules not yet moved to _counters.
 from optaxclip._counters import clip_rate as clip_rate
@@ -26,14 +27,21 @@ _CLIPPERS: set[type] = set()
 
 
 def register(state_type: type, name: str, summary: Summary | None = None, *,
+             hide: tuple[str, ...] = (), extras: Summary | None = None,
              clips: bool = True) -> None:
   """Makes ``stats`` report states of ``state_type`` under ``name``.
 
-  ``summary`` maps a state to its statistics; by default every field.
+  The statistics of a state are its fields, less those in ``hide``
+  (bookkeeping), followed by ``extras(state)`` (derived ones, such as a
+  rate); or, when given, ``summary(state)`` in place of all that.
   ``clips``: the transform rescales gradients by what it measures, so it must
   see unscaled ones (``dynamic_loss_scale`` checks that none comes first).
   """
-  _REGISTRY[state_type] = (name, summary or (lambda state: state._asdict()))
+  def derived(state: Any) -> dict[str, jax.Array]:
+    fields = {k: v for k, v in state._asdict().items() if k not in hide}
+    return {**fields, **(extras(state) if extras else {})}
+
+  _REGISTRY[state_type] = (name, summary or derived)
   if clips:
     _CLIPPERS.add(state_type)
 
@@ -51,7 +59,7 @@ def _dict_keys(path: tuple[Any, ...]) -> list[str]:
   return [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
 
 
-def stats(opt_state: Any) -> dict[str, jax.Array]:
+def stats(opt_state: optax.OptState) -> dict[str, jax.Array]:
   """Every optaxclip statistic in ``opt_state``, as flat scalar entries.
 
   Works on any (chained, nested, wrapped) optax state, eagerly or under

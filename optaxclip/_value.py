@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import optax
 
 from optaxclip import _tree, _validation
+from optaxclip._types import Scalar
 
 PyTree = Any
 
@@ -69,8 +70,8 @@ def _clip_tree(fn: str, tree: PyTree, low: Any, high: Any) -> PyTree:
   return _tree.map_clippable(clip, tree)
 
 
-def clip_by_value_fn(tree: PyTree, max_value: Any,
-                     min_value: Any = None) -> PyTree:
+def clip_by_value_fn(tree: PyTree, max_value: Scalar,
+                     min_value: Scalar | None = None) -> PyTree:
   """Clips every element of ``tree`` to ``[min_value, max_value]``.
 
   Args:
@@ -95,8 +96,8 @@ def clip_by_value_fn(tree: PyTree, max_value: Any,
   return _clip_tree("clip_by_value", tree, low, high)
 
 
-def clip_by_value(max_value: Any,
-                  min_value: Any = None) -> optax.GradientTransformation:
+def clip_by_value(max_value: Scalar,
+                  min_value: Scalar | None = None) -> optax.GradientTransformation:
   """Clips every element of the updates to ``[min_value, max_value]``.
 
   A drop-in for ``optax.clip`` and ``torch.nn.utils.clip_grad_value_``

@@ -11,18 +11,21 @@ coefficient ``threshold / (g + 1e-6)``, applied when ``g > threshold``,
 except after one outlier in the warm-up (see ``zclip``).
 """
 
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from optaxclip import _counters, _norms, _running_stats, _scaling, _stats, _tree, _validation
+from optaxclip._types import AxisName, Scalar
 
 PyTree = Any
 
-MODES = ("zscore", "percentile")
-CLIP_OPTIONS = ("adaptive_scaling", "mean")
+Mode = Literal["zscore", "percentile"]
+ClipOption = Literal["adaptive_scaling", "mean"]
+MODES = get_args(Mode)
+CLIP_OPTIONS = get_args(ClipOption)
 # The reference divides by norm + 1e-6 whatever its `eps` (which only guards
 # the z-score), in warm-up (clip_grad_norm_) and after it alike.
 COEFFICIENT_EPS = 1e-6
@@ -31,38 +34,60 @@ COEFFICIENT_EPS = 1e-6
 class ZClipState(NamedTuple):
   """State of ``zclip``: the warm-up buffer, the EMA and statistics.
 
-  The float fields are float32, or float64 when x64 is on and ``init`` was
+  ``float`` below is float32, or float64 when x64 is on and ``init`` was
   given float64 parameters.
+
+  Attributes:
+    mean: float ``[]``: the EMA of the norm (0 until the warm-up ends).
+    var: float ``[]``: the EMA of the squared deviation from the mean.
+    warmup_norms: float ``[warmup_steps]``: the norms seen in the warm-up.
+    collected: int32 ``[]``: finite norms collected; the warm-up ends when
+      it reaches ``warmup_steps``.
+    norm: float ``[]``: the pre-clip global norm of the last update.
+    z: float ``[]``: the z-score of the last norm (0 during the warm-up).
+    threshold: float ``[]``: the norm the last update was clipped to (the
+      norm itself when nothing applied).
+    scale: float ``[]``: the factor applied last step (1 = not clipped).
+    count: int32 ``[]``: steps seen.
+    clipped_count: int32 ``[]``: steps with a finite norm and ``scale < 1``.
+    spike_count: int32 ``[]``: steps detected as spikes (after the warm-up).
+    nonfinite_count: int32 ``[]``: steps whose norm was NaN or Inf.
+    stale_count: int32 ``[]``: finite norms in a row, after the warm-up,
+      100 times below the mean (3 start a new warm-up).
   """
-  mean: jax.Array  # float: EMA of the norm (0 until warm-up ends)
-  var: jax.Array  # float: EMA of the squared deviation from the mean
-  warmup_norms: jax.Array  # float [warmup_steps]: norms seen in warm-up
-  collected: jax.Array  # int32: finite norms collected; warm-up ends when
-  #                       it reaches warmup_steps
-  norm: jax.Array  # float: pre-clip global norm of the last update
-  z: jax.Array  # float: z-score of the last norm (0 during warm-up)
-  threshold: jax.Array  # float: norm the last update was clipped to (the
-  #                       norm itself when nothing applied)
-  scale: jax.Array  # float: factor applied last step (1.0 = not clipped)
-  count: jax.Array  # int32: steps seen
-  clipped_count: jax.Array  # int32: steps with a finite norm and scale < 1
-  spike_count: jax.Array  # int32: steps detected as spikes (after warm-up)
-  nonfinite_count: jax.Array  # int32: steps whose norm was NaN or Inf
-  stale_count: jax.Array  # int32: finite norms in a row, after warm-up,
-  #                         100x below the mean (3 start a new warm-up)
+  mean: jax.Array
+  var: jax.Array
+  warmup_norms: jax.Array
+  collected: jax.Array
+  norm: jax.Array
+  z: jax.Array
+  threshold: jax.Array
+  scale: jax.Array
+  count: jax.Array
+  clipped_count: jax.Array
+  spike_count: jax.Array
+  nonfinite_count: jax.Array
+  stale_count: jax.Array
+
+  @classmethod
+  def fresh(cls, dtype: jax.typing.DTypeLike, warmup_steps: int) -> "ZClipState":
+    """The state before the first step: an empty warm-up buffer."""
+    return cls(mean=jnp.zeros([], dtype), var=jnp.zeros([], dtype),
+               warmup_norms=jnp.zeros([warmup_steps], dtype),
+               collected=_counters.zero(), norm=jnp.zeros([], dtype),
+               z=jnp.zeros([], dtype), threshold=jnp.zeros([], dtype),
+               scale=jnp.ones([], dtype), count=_counters.zero(),
+               clipped_count=_counters.zero(), spike_count=_counters.zero(),
+               nonfinite_count=_counters.zero(), stale_count=_counters.zero())
 
 
-def _summarize(state: ZClipState) -> dict[str, jax.Array]:
-  return {"norm": state.norm, "mean": state.mean,
-          "std": _running_stats.safe_sqrt(state.var), "z": state.z,
-          "threshold": state.threshold, "scale": state.scale,
-          "count": state.count, "clipped_count": state.clipped_count,
-          "spike_count": state.spike_count,
-          "nonfinite_count": state.nonfinite_count,
+def _extras(state: ZClipState) -> dict[str, jax.Array]:
+  return {"std": _running_stats.safe_sqrt(state.var),
           "clip_rate": _counters.clip_rate(state)}
 
 
-_stats.register(ZClipState, "zclip", _summarize)
+_stats.register(ZClipState, "zclip", extras=_extras,
+                hide=("var", "warmup_norms", "collected", "stale_count"))
 
 
 def _safe_divide(numerator: jax.Array, denominator: jax.Array,
@@ -73,11 +98,11 @@ def _safe_divide(numerator: jax.Array, denominator: jax.Array,
                    at_zero)
 
 
-def zclip(*, alpha: Any = 0.97, z_thresh: Any = 2.5,
-          max_grad_norm: Any = 1.0, eps: Any = 1e-6, warmup_steps: int = 25,
-          mode: str = "zscore", clip_option: str = "adaptive_scaling",
-          clip_factor: Any = 1.0, skip_update_on_spike: bool = False,
-          axis_name: Any = None, specs: PyTree = None
+def zclip(*, alpha: Scalar = 0.97, z_thresh: Scalar = 2.5,
+          max_grad_norm: Scalar = 1.0, eps: Scalar = 1e-6, warmup_steps: int = 25,
+          mode: Mode = "zscore", clip_option: ClipOption = "adaptive_scaling",
+          clip_factor: Scalar = 1.0, skip_update_on_spike: bool = False,
+          axis_name: AxisName = None, specs: PyTree = None
           ) -> optax.GradientTransformation:
   """Clips gradient-norm spikes detected by a z-score against an EMA (ZClip).
 
@@ -198,13 +223,7 @@ def zclip(*, alpha: Any = 0.97, z_thresh: Any = 2.5,
 
   def init_fn(params):
     length = _validation.require_buffer_size(fn, "warmup_steps", size)
-    dtype = _running_stats.statistics_dtype(params)
-    return ZClipState(
-        warmup_norms=jnp.zeros([length], dtype),
-        scale=jnp.ones([], dtype),
-        **_counters.zeros(dtype, "mean", "var", "norm", "z", "threshold"),
-        **_counters.zeros(jnp.int32, "collected", "count", "clipped_count",
-                       "spike_count", "nonfinite_count", "stale_count"))
+    return ZClipState.fresh(_running_stats.statistics_dtype(params), length)
 
   def spike_threshold(norm, mean, std, z):
     """Whether ``norm`` is a spike, and the threshold it is cut to."""
