@@ -135,18 +135,3 @@ def test_shard_map_devices_agree():
   assert not bool(decide(jnp.full(8, 1.5))[0])  # halves 3, globally 4.24
   assert bool(decide(jnp.full(8, 2.0))[0])  # halves 4, globally 5.66
   assert bool(decide(jnp.full(8, 1.0).at[6].set(jnp.nan))[0])  # device 1
-
-
-@pytest.mark.parametrize("arg,value,error,shown", [
-    ("max_norm", -1.0, ValueError, "-1.0"),
-    ("max_norm", math.nan, ValueError, "nan"),
-    ("max_norm", "1", TypeError, "'1'"),
-    ("ord", 0, ValueError, "0"),
-    ("ord", "two", ValueError, "'two'"),
-    ("axis_name", 1.5, TypeError, "1.5"),
-])
-def test_bad_arguments_name_argument_and_value(arg, value, error, shown):
-  with pytest.raises(error) as info:
-    oc.microbatch_guard(**{arg: value})
-  assert f"`microbatch_guard({arg}=...)`" in str(info.value)
-  assert shown in str(info.value)

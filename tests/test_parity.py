@@ -73,8 +73,8 @@ MAX_ULPS: dict[str, int] = defaultdict(int)
 
 
 def _load(lib: str) -> dict:
-    with open(GOLDEN_DIR / f"{lib}.json") as fh:
-        return json.load(fh)
+  with open(GOLDEN_DIR / f"{lib}.json") as fh:
+    return json.load(fh)
 
 
 TORCH = _load("torch")
@@ -83,104 +83,104 @@ OPTAX = _load("optax")
 
 
 def _norm_type(v) -> float:
-    return math.inf if v == "inf" else float(v)
+  return math.inf if v == "inf" else float(v)
 
 
 def _np_leaves(data: dict, tree: str) -> list[np.ndarray]:
-    return [np.asarray(x, np.float32) for x in data["trees"][tree]["leaves"]]
+  return [np.asarray(x, np.float32) for x in data["trees"][tree]["leaves"]]
 
 
 def _expected(case: dict) -> list[np.ndarray]:
-    return [np.asarray(x, np.float32) for x in case["clipped"]]
+  return [np.asarray(x, np.float32) for x in case["clipped"]]
 
 
 def _as_tree(leaves, kind: str = "list"):
-    """Leaves -> optaxclip input tree of jnp float32 arrays (list or dict)."""
-    arrs = [jnp.asarray(x, dtype=jnp.float32) for x in leaves]
-    if kind == "dict":
-        return {f"w{i}": a for i, a in enumerate(arrs)}
-    return arrs
+  """Leaves -> optaxclip input tree of jnp float32 arrays (list or dict)."""
+  arrs = [jnp.asarray(x, dtype=jnp.float32) for x in leaves]
+  if kind == "dict":
+    return {f"w{i}": a for i, a in enumerate(arrs)}
+  return arrs
 
 
 def _tree_leaves(tree) -> list[np.ndarray]:
-    if isinstance(tree, dict):
-        return [np.asarray(tree[f"w{i}"]) for i in range(len(tree))]
-    return [np.asarray(x) for x in tree]
+  if isinstance(tree, dict):
+    return [np.asarray(tree[f"w{i}"]) for i in range(len(tree))]
+  return [np.asarray(x) for x in tree]
 
 
 def _state_norm(state):
-    """Norm recorded by a clipping transform's state."""
-    stats = oc.stats(state)
-    norms = [v for k, v in stats.items() if k.endswith("/norm")]
-    if norms:
-        return norms[0]
-    return state.norm
+  """Norm recorded by a clipping transform's state."""
+  stats = oc.stats(state)
+  norms = [v for k, v in stats.items() if k.endswith("/norm")]
+  if norms:
+    return norms[0]
+  return state.norm
 
 
 def _torch_tolerance(norm_type: float) -> str:
-    return "torch" if norm_type in (2.0, math.inf) else "torch, other orders"
+  return "torch" if norm_type in (2.0, math.inf) else "torch, other orders"
 
 
 def _ordered(x) -> np.ndarray:
-    """float32 bits as integers that count the float32 values in order."""
-    bits = np.asarray(x, np.float32).view(np.int32).astype(np.int64)
-    return np.where(bits < 0, -(bits & 0x7FFFFFFF), bits)  # -0.0 is 0.0
+  """float32 bits as integers that count the float32 values in order."""
+  bits = np.asarray(x, np.float32).view(np.int32).astype(np.int64)
+  return np.where(bits < 0, -(bits & 0x7FFFFFFF), bits)  # -0.0 is 0.0
 
 
 def _ulps(got, expected) -> np.ndarray:
-    """Per element, how many float32 steps apart ``got`` and ``expected`` are.
+  """Per element, how many float32 steps apart ``got`` and ``expected`` are.
 
-    Values both below the smallest normal float count as equal: XLA:CPU
-    flushes subnormal results to zero, the references may not.
-    """
-    got, expected = np.asarray(got, np.float32), np.asarray(expected, np.float32)
-    tiny = np.finfo(np.float32).tiny
-    steps = np.abs(_ordered(got) - _ordered(expected))
-    return np.where((np.abs(got) < tiny) & (np.abs(expected) < tiny), 0, steps)
+  Values both below the smallest normal float count as equal: XLA:CPU
+  flushes subnormal results to zero, the references may not.
+  """
+  got, expected = np.asarray(got, np.float32), np.asarray(expected, np.float32)
+  tiny = np.finfo(np.float32).tiny
+  steps = np.abs(_ordered(got) - _ordered(expected))
+  return np.where((np.abs(got) < tiny) & (np.abs(expected) < tiny), 0, steps)
 
 
 def _check(tolerance: str, got, expected, what: str):
-    """``got`` is within ``ULPS[tolerance]`` float32 ulps of ``expected``."""
-    got = np.asarray(got)
-    expected = np.asarray(expected, np.float32)
-    assert got.dtype == np.float32, f"{what}: dtype {got.dtype}"
-    assert got.shape == expected.shape, f"{what}: shape {got.shape} != {expected.shape}"
-    assert np.all(np.isfinite(got)), f"{what}: non-finite values {got}"
-    if not got.size:
-        return
-    steps = _ulps(got, expected)
-    worst = np.unravel_index(np.argmax(steps), steps.shape)
-    assert np.max(steps) <= ULPS[tolerance], (
-        f"{what}: {np.max(steps)} float32 ulps apart (allowed: {ULPS[tolerance]} "
-        f"for {tolerance}): got {got[worst]!r}, expected {expected[worst]!r} "
-        f"at index {worst}")
-    MAX_ULPS[tolerance] = max(MAX_ULPS[tolerance], int(np.max(steps)))
+  """``got`` is within ``ULPS[tolerance]`` float32 ulps of ``expected``."""
+  got = np.asarray(got)
+  expected = np.asarray(expected, np.float32)
+  assert got.dtype == np.float32, f"{what}: dtype {got.dtype}"
+  assert got.shape == expected.shape, f"{what}: shape {got.shape} != {expected.shape}"
+  assert np.all(np.isfinite(got)), f"{what}: non-finite values {got}"
+  if not got.size:
+    return
+  steps = _ulps(got, expected)
+  worst = np.unravel_index(np.argmax(steps), steps.shape)
+  assert np.max(steps) <= ULPS[tolerance], (
+      f"{what}: {np.max(steps)} float32 ulps apart (allowed: {ULPS[tolerance]} "
+      f"for {tolerance}): got {got[worst]!r}, expected {expected[worst]!r} "
+      f"at index {worst}")
+  MAX_ULPS[tolerance] = max(MAX_ULPS[tolerance], int(np.max(steps)))
 
 
 def _check_tree(tolerance: str, got_tree, expected: list[np.ndarray], what: str, like):
-    """Compares a returned tree leaf by leaf; ``like`` is the input tree."""
-    assert jax.tree.structure(got_tree) == jax.tree.structure(like), (
-        f"{what}: tree structure {jax.tree.structure(got_tree)} != "
-        f"{jax.tree.structure(like)}")
-    got = _tree_leaves(got_tree)
-    assert len(got) == len(expected), f"{what}: {len(got)} leaves != {len(expected)}"
-    for i, (g, e) in enumerate(zip(got, expected)):
-        _check(tolerance, g, e, f"{what} leaf {i}")
+  """Compares a returned tree leaf by leaf; ``like`` is the input tree."""
+  assert jax.tree.structure(got_tree) == jax.tree.structure(like), (
+      f"{what}: tree structure {jax.tree.structure(got_tree)} != "
+      f"{jax.tree.structure(like)}")
+  got = _tree_leaves(got_tree)
+  assert len(got) == len(expected), f"{what}: {len(got)} leaves != {len(expected)}"
+  for i, (g, e) in enumerate(zip(got, expected)):
+    _check(tolerance, g, e, f"{what} leaf {i}")
 
 
 def test_tolerance_counts_float32_ulps():
-    """The check counts float32 steps: the relative 1e-5 this suite once
-    allowed (about 100 ulps) fails, and value clipping must match exactly."""
-    x = np.float32(0.3065693)
-    one_ulp = np.nextafter(x, np.float32(1))
-    assert _ulps(one_ulp, x) == 1 and _ulps(-one_ulp, -x) == 1
-    assert _ulps(np.float32(-0.0), np.float32(0.0)) == 0
-    assert _ulps(np.float32(1e-45), np.float32(0.0)) == 0  # flushed subnormal
-    _check("torch", np.float32(one_ulp), x, "one ulp apart")
-    with pytest.raises(AssertionError, match="ulps apart"):
-        _check("torch", np.float32(x * (1 + 1e-5)), x, "1e-5 relative")
-    with pytest.raises(AssertionError, match="ulps apart"):
-        _check("value", np.float32(one_ulp), x, "value clipping is exact")
+  """The check counts float32 steps: the relative 1e-5 this suite once
+  allowed (about 100 ulps) fails, and value clipping must match exactly."""
+  x = np.float32(0.3065693)
+  one_ulp = np.nextafter(x, np.float32(1))
+  assert _ulps(one_ulp, x) == 1 and _ulps(-one_ulp, -x) == 1
+  assert _ulps(np.float32(-0.0), np.float32(0.0)) == 0
+  assert _ulps(np.float32(1e-45), np.float32(0.0)) == 0  # flushed subnormal
+  _check("torch", np.float32(one_ulp), x, "one ulp apart")
+  with pytest.raises(AssertionError, match="ulps apart"):
+    _check("torch", np.float32(x * (1 + 1e-5)), x, "1e-5 relative")
+  with pytest.raises(AssertionError, match="ulps apart"):
+    _check("value", np.float32(one_ulp), x, "value clipping is exact")
 
 
 # --------------------------------------------------------------------------
@@ -202,129 +202,129 @@ EAGER_NAMES = frozenset({
 })
 
 def _eager_subset(case) -> bool:
-    return (EAGER_ALL or case["tree"].startswith("example")
-            or case["name"] in EAGER_NAMES)
+  return (EAGER_ALL or case["tree"].startswith("example")
+          or case["name"] in EAGER_NAMES)
 
 
 def _golden_params(data: dict, key: str):
-    params = []
-    for c in data[key]:
-        params.append(pytest.param("jit", c, id=f"jit-{c['name']}"))
-        if _eager_subset(c):
-            params.append(pytest.param("eager", c, id=f"eager-{c['name']}"))
-    return params
+  params = []
+  for c in data[key]:
+    params.append(pytest.param("jit", c, id=f"jit-{c['name']}"))
+    if _eager_subset(c):
+      params.append(pytest.param("eager", c, id=f"eager-{c['name']}"))
+  return params
 
 
 @functools.cache
 def _jitted(fn):
-    return jax.jit(fn, static_argnums=0)
+  return jax.jit(fn, static_argnums=0)
 
 
 def _run(mode: str, fn, static, g, *thresholds):
-    """``fn(static, g, *thresholds)``, eagerly or jitted (see above)."""
-    if mode == "eager":
-        return fn(static, g, *(float(t) for t in thresholds))
-    return _jitted(fn)(static, g, *(jnp.asarray(t, jnp.float32) for t in thresholds))
+  """``fn(static, g, *thresholds)``, eagerly or jitted (see above)."""
+  if mode == "eager":
+    return fn(static, g, *(float(t) for t in thresholds))
+  return _jitted(fn)(static, g, *(jnp.asarray(t, jnp.float32) for t in thresholds))
 
 
 def _torch_norm_fns(norm_type, g, max_norm):
-    tx = oc.clip_grad_norm(max_norm, norm_type=norm_type)
-    updates, state = tx.update(g, tx.init(g))
-    clipped, norm = F.clip_by_global_norm(g, max_norm, ord=norm_type, eps=TORCH_EPS)
-    return updates, _state_norm(state), clipped, norm
+  tx = oc.clip_grad_norm(max_norm, norm_type=norm_type)
+  updates, state = tx.update(g, tx.init(g))
+  clipped, norm = F.clip_by_global_norm(g, max_norm, ord=norm_type, eps=TORCH_EPS)
+  return updates, _state_norm(state), clipped, norm
 
 
 def _value_fns(_, g, max_value, min_value=None):
-    tx = oc.clip_by_value(max_value, min_value)
-    updates, _ = tx.update(g, tx.init(g))
-    return F.clip_by_value(g, max_value, min_value), updates
+  tx = oc.clip_by_value(max_value, min_value)
+  updates, _ = tx.update(g, tx.init(g))
+  return F.clip_by_value(g, max_value, min_value), updates
 
 
 def _global_norm_fns(_, g, max_norm):
-    clipped, norm = F.clip_by_global_norm(g, max_norm)
-    tx = oc.clip_by_global_norm(max_norm)
-    updates, state = tx.update(g, tx.init(g))
-    return clipped, norm, updates, _state_norm(state), F.global_norm(g)
+  clipped, norm = F.clip_by_global_norm(g, max_norm)
+  tx = oc.clip_by_global_norm(max_norm)
+  updates, state = tx.update(g, tx.init(g))
+  return clipped, norm, updates, _state_norm(state), F.global_norm(g)
 
 
 def _norm_fns(_, g, max_norm):
-    tx = oc.clip_by_norm(max_norm)
-    updates, _ = tx.update(g, tx.init(g))
-    return F.clip_by_norm(g, max_norm), updates
+  tx = oc.clip_by_norm(max_norm)
+  updates, _ = tx.update(g, tx.init(g))
+  return F.clip_by_norm(g, max_norm), updates
 
 
 @pytest.mark.parametrize("mode,case", _golden_params(TORCH, "clip_grad_norm_"))
 def test_golden_torch_clip_grad_norm(mode, case):
-    g = _as_tree(_np_leaves(TORCH, case["tree"]))
-    p = _norm_type(case["norm_type"])
-    updates, state_norm, clipped, norm = _run(mode, _torch_norm_fns, p, g, case["max_norm"])
-    tol = _torch_tolerance(p)
-    _check(tol, state_norm, case["total_norm"], "transform: total norm")
-    _check_tree(tol, updates, _expected(case), "transform oc.clip_grad_norm", like=g)
-    _check(tol, norm, case["total_norm"], "functional: total norm")
-    _check_tree(tol, clipped, _expected(case), "functional F.clip_by_global_norm", like=g)
+  g = _as_tree(_np_leaves(TORCH, case["tree"]))
+  p = _norm_type(case["norm_type"])
+  updates, state_norm, clipped, norm = _run(mode, _torch_norm_fns, p, g, case["max_norm"])
+  tol = _torch_tolerance(p)
+  _check(tol, state_norm, case["total_norm"], "transform: total norm")
+  _check_tree(tol, updates, _expected(case), "transform oc.clip_grad_norm", like=g)
+  _check(tol, norm, case["total_norm"], "functional: total norm")
+  _check_tree(tol, clipped, _expected(case), "functional F.clip_by_global_norm", like=g)
 
 
 @pytest.mark.parametrize("mode,case", _golden_params(TORCH, "clip_grad_value_"))
 def test_golden_torch_clip_grad_value(mode, case):
-    g = _as_tree(_np_leaves(TORCH, case["tree"]))
-    clipped, updates = _run(mode, _value_fns, None, g, case["clip_value"])
-    _check_tree("value", clipped, _expected(case), "functional F.clip_by_value", like=g)
-    _check_tree("value", updates, _expected(case), "transform oc.clip_by_value", like=g)
+  g = _as_tree(_np_leaves(TORCH, case["tree"]))
+  clipped, updates = _run(mode, _value_fns, None, g, case["clip_value"])
+  _check_tree("value", clipped, _expected(case), "functional F.clip_by_value", like=g)
+  _check_tree("value", updates, _expected(case), "transform oc.clip_by_value", like=g)
 
 
 @pytest.mark.parametrize("mode,case", _golden_params(TF, "clip_by_global_norm"))
 def test_golden_tf_clip_by_global_norm(mode, case):
-    g = _as_tree(_np_leaves(TF, case["tree"]))
-    clipped, norm, updates, state_norm, _ = _run(mode, _global_norm_fns, None, g,
-                                                 case["clip_norm"])
-    _check("tensorflow", norm, case["global_norm"], "functional: global norm")
-    _check_tree("tensorflow", clipped, _expected(case), "functional F.clip_by_global_norm", like=g)
-    _check("tensorflow", state_norm, case["global_norm"], "transform: state norm")
-    _check_tree("tensorflow", updates, _expected(case), "transform oc.clip_by_global_norm", like=g)
+  g = _as_tree(_np_leaves(TF, case["tree"]))
+  clipped, norm, updates, state_norm, _ = _run(mode, _global_norm_fns, None, g,
+                                               case["clip_norm"])
+  _check("tensorflow", norm, case["global_norm"], "functional: global norm")
+  _check_tree("tensorflow", clipped, _expected(case), "functional F.clip_by_global_norm", like=g)
+  _check("tensorflow", state_norm, case["global_norm"], "transform: state norm")
+  _check_tree("tensorflow", updates, _expected(case), "transform oc.clip_by_global_norm", like=g)
 
 
 @pytest.mark.parametrize("mode,case", _golden_params(TF, "clip_by_norm"))
 def test_golden_tf_clip_by_norm(mode, case):
-    g = _as_tree(_np_leaves(TF, case["tree"]))
-    clipped, updates = _run(mode, _norm_fns, None, g, case["clip_norm"])
-    _check_tree("tensorflow", clipped, _expected(case), "functional F.clip_by_norm", like=g)
-    _check_tree("tensorflow", updates, _expected(case), "transform oc.clip_by_norm", like=g)
+  g = _as_tree(_np_leaves(TF, case["tree"]))
+  clipped, updates = _run(mode, _norm_fns, None, g, case["clip_norm"])
+  _check_tree("tensorflow", clipped, _expected(case), "functional F.clip_by_norm", like=g)
+  _check_tree("tensorflow", updates, _expected(case), "transform oc.clip_by_norm", like=g)
 
 
 @pytest.mark.parametrize("mode,case", _golden_params(TF, "clip_by_value"))
 def test_golden_tf_clip_by_value(mode, case):
-    g = _as_tree(_np_leaves(TF, case["tree"]))
-    # tf.clip_by_value(t, lo, hi) == F.clip_by_value(tree, hi, lo)
-    clipped, updates = _run(mode, _value_fns, None, g,
-                            case["clip_value_max"], case["clip_value_min"])
-    _check_tree("value", clipped, _expected(case), "functional F.clip_by_value", like=g)
-    _check_tree("value", updates, _expected(case), "transform oc.clip_by_value", like=g)
+  g = _as_tree(_np_leaves(TF, case["tree"]))
+  # tf.clip_by_value(t, lo, hi) == F.clip_by_value(tree, hi, lo)
+  clipped, updates = _run(mode, _value_fns, None, g,
+                          case["clip_value_max"], case["clip_value_min"])
+  _check_tree("value", clipped, _expected(case), "functional F.clip_by_value", like=g)
+  _check_tree("value", updates, _expected(case), "transform oc.clip_by_value", like=g)
 
 
 @pytest.mark.parametrize("mode,case", _golden_params(OPTAX, "clip_by_global_norm"))
 def test_golden_optax_clip_by_global_norm(mode, case):
-    g = _as_tree(_np_leaves(OPTAX, case["tree"]))
-    clipped, _, updates, _, _ = _run(mode, _global_norm_fns, None, g, case["max_norm"])
-    _check_tree("optax", updates, _expected(case), "transform oc.clip_by_global_norm", like=g)
-    _check_tree("optax", clipped, _expected(case), "functional F.clip_by_global_norm", like=g)
+  g = _as_tree(_np_leaves(OPTAX, case["tree"]))
+  clipped, _, updates, _, _ = _run(mode, _global_norm_fns, None, g, case["max_norm"])
+  _check_tree("optax", updates, _expected(case), "transform oc.clip_by_global_norm", like=g)
+  _check_tree("optax", clipped, _expected(case), "functional F.clip_by_global_norm", like=g)
 
 
 @pytest.mark.parametrize("mode,case", _golden_params(OPTAX, "clip"))
 def test_golden_optax_clip(mode, case):
-    g = _as_tree(_np_leaves(OPTAX, case["tree"]))
-    clipped, updates = _run(mode, _value_fns, None, g, case["max_delta"])
-    _check_tree("value", updates, _expected(case), "transform oc.clip_by_value", like=g)
-    _check_tree("value", clipped, _expected(case), "functional F.clip_by_value", like=g)
+  g = _as_tree(_np_leaves(OPTAX, case["tree"]))
+  clipped, updates = _run(mode, _value_fns, None, g, case["max_delta"])
+  _check_tree("value", updates, _expected(case), "transform oc.clip_by_value", like=g)
+  _check_tree("value", clipped, _expected(case), "functional F.clip_by_value", like=g)
 
 
 @pytest.mark.parametrize("mode,case", _golden_params(OPTAX, "global_norm"))
 def test_golden_optax_global_norm(mode, case):
-    g = _as_tree(_np_leaves(OPTAX, case["tree"]))
-    # F.global_norm shares one compiled program with the global-norm clippers;
-    # the threshold is unused here.
-    norm = _run(mode, _global_norm_fns, None, g, 1.0)[-1]
-    _check("optax", norm, case["global_norm"], "F.global_norm")
+  g = _as_tree(_np_leaves(OPTAX, case["tree"]))
+  # F.global_norm shares one compiled program with the global-norm clippers;
+  # the threshold is unused here.
+  norm = _run(mode, _global_norm_fns, None, g, 1.0)[-1]
+  _check("optax", norm, case["global_norm"], "F.global_norm")
 
 
 # --------------------------------------------------------------------------
@@ -333,38 +333,38 @@ def test_golden_optax_global_norm(mode, case):
 
 
 def test_golden_documented_examples():
-    """The golden files reproduce the well-known documented numbers."""
-    c = next(c for c in TORCH["clip_grad_norm_"] if c["name"] == "example_3_4__1_2-p2-max5")
-    np.testing.assert_allclose(c["total_norm"], 5.4772, rtol=1e-4)
-    np.testing.assert_allclose(c["clipped"][0], [2.7386, 3.6515], rtol=1e-4)
-    np.testing.assert_allclose(c["clipped"][1], [0.9129, 1.8257], rtol=1e-4)
-    c = next(c for c in TF["clip_by_global_norm"] if c["name"] == "example_3_4__1_2-max5")
-    np.testing.assert_allclose(c["global_norm"], 5.4772, rtol=1e-4)
-    np.testing.assert_allclose(c["clipped"][0], [2.7386, 3.6515], rtol=1e-4)
-    np.testing.assert_allclose(c["clipped"][1], [0.9129, 1.8257], rtol=1e-4)
-    c = next(c for c in TORCH["clip_grad_norm_"] if c["name"] == "example_torch_doc-p2-max0.5")
-    np.testing.assert_allclose(
-        c["clipped"][0],
-        [[-0.0613139, -0.1532847, -0.0613139], [0.0613139, 0.1532847, 0.0613139]],
-        rtol=1e-5)
-    np.testing.assert_allclose(c["clipped"][1], [-0.3065693, 0.3065693], rtol=1e-5)
-    c = next(c for c in TORCH["clip_grad_value_"] if c["name"] == "example_torch_doc-value0.1")
-    np.testing.assert_allclose(c["clipped"][0], [[-0.1] * 3, [0.1] * 3], rtol=1e-7)
-    np.testing.assert_allclose(c["clipped"][1], [-0.1, 0.1], rtol=1e-7)
+  """The golden files reproduce the well-known documented numbers."""
+  c = next(c for c in TORCH["clip_grad_norm_"] if c["name"] == "example_3_4__1_2-p2-max5")
+  np.testing.assert_allclose(c["total_norm"], 5.4772, rtol=1e-4)
+  np.testing.assert_allclose(c["clipped"][0], [2.7386, 3.6515], rtol=1e-4)
+  np.testing.assert_allclose(c["clipped"][1], [0.9129, 1.8257], rtol=1e-4)
+  c = next(c for c in TF["clip_by_global_norm"] if c["name"] == "example_3_4__1_2-max5")
+  np.testing.assert_allclose(c["global_norm"], 5.4772, rtol=1e-4)
+  np.testing.assert_allclose(c["clipped"][0], [2.7386, 3.6515], rtol=1e-4)
+  np.testing.assert_allclose(c["clipped"][1], [0.9129, 1.8257], rtol=1e-4)
+  c = next(c for c in TORCH["clip_grad_norm_"] if c["name"] == "example_torch_doc-p2-max0.5")
+  np.testing.assert_allclose(
+      c["clipped"][0],
+      [[-0.0613139, -0.1532847, -0.0613139], [0.0613139, 0.1532847, 0.0613139]],
+      rtol=1e-5)
+  np.testing.assert_allclose(c["clipped"][1], [-0.3065693, 0.3065693], rtol=1e-5)
+  c = next(c for c in TORCH["clip_grad_value_"] if c["name"] == "example_torch_doc-value0.1")
+  np.testing.assert_allclose(c["clipped"][0], [[-0.1] * 3, [0.1] * 3], rtol=1e-7)
+  np.testing.assert_allclose(c["clipped"][1], [-0.1, 0.1], rtol=1e-7)
 
 
 def test_golden_files_metadata():
-    total = 0
-    for lib, data in (("torch", TORCH), ("tensorflow", TF), ("optax", OPTAX)):
-        assert data["library"] == lib
-        assert lib in data["versions"] and "numpy" in data["versions"]
-        total += (GOLDEN_DIR / f"{lib}.json").stat().st_size
-        for tree in data["trees"].values():
-            for leaf in tree["leaves"]:
-                flat = np.ravel(np.asarray(leaf, np.float64))
-                # every stored number is an exact float32 value
-                np.testing.assert_array_equal(flat.astype(np.float32).astype(np.float64), flat)
-    assert total < 1.5e6
+  total = 0
+  for lib, data in (("torch", TORCH), ("tensorflow", TF), ("optax", OPTAX)):
+    assert data["library"] == lib
+    assert lib in data["versions"] and "numpy" in data["versions"]
+    total += (GOLDEN_DIR / f"{lib}.json").stat().st_size
+    for tree in data["trees"].values():
+      for leaf in tree["leaves"]:
+        flat = np.ravel(np.asarray(leaf, np.float64))
+        # every stored number is an exact float32 value
+        np.testing.assert_array_equal(flat.astype(np.float32).astype(np.float64), flat)
+  assert total < 1.5e6
 
 
 # --------------------------------------------------------------------------
@@ -386,153 +386,153 @@ SEED_IDS = [f"seed{s}" for s in SEEDS]
 
 
 def _random_leaves(seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(1000 + seed)
-    return [
-        (rng.standard_normal(shape) * SCALES[int(rng.integers(0, 3))]).astype(np.float32)
-        for shape in LIVE_SHAPES[seed]
-    ]
+  rng = np.random.default_rng(1000 + seed)
+  return [
+      (rng.standard_normal(shape) * SCALES[int(rng.integers(0, 3))]).astype(np.float32)
+      for shape in LIVE_SHAPES[seed]
+  ]
 
 
 def _kind(seed: int) -> str:
-    return "dict" if seed == 1 else "list"
+  return "dict" if seed == 1 else "list"
 
 
 def _np_norm(leaves, p: float) -> float:
-    flat = np.concatenate([np.ravel(x).astype(np.float64) for x in leaves])
-    if math.isinf(p):
-        return float(np.max(np.abs(flat)))
-    return float(np.sum(np.abs(flat) ** p) ** (1.0 / p))
+  flat = np.concatenate([np.ravel(x).astype(np.float64) for x in leaves])
+  if math.isinf(p):
+    return float(np.max(np.abs(flat)))
+  return float(np.sum(np.abs(flat) ** p) ** (1.0 / p))
 
 
 def _f32(x) -> float:
-    return float(np.float32(x))
+  return float(np.float32(x))
 
 
 def _torch_params(torch, leaves):
-    params = []
-    for x in leaves:
-        prm = torch.nn.Parameter(torch.zeros(x.shape, dtype=torch.float32))
-        prm.grad = torch.tensor(x)
-        params.append(prm)
-    return params
+  params = []
+  for x in leaves:
+    prm = torch.nn.Parameter(torch.zeros(x.shape, dtype=torch.float32))
+    prm.grad = torch.tensor(x)
+    params.append(prm)
+  return params
 
 
 @pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, math.inf], ids=["p1", "p2", "p3", "pinf"])
 @pytest.mark.parametrize("seed", SEEDS, ids=SEED_IDS)
 def test_live_torch_clip_grad_norm(seed, norm_type):
-    torch = pytest.importorskip("torch")
-    leaves = _random_leaves(seed)
-    g = _as_tree(leaves, _kind(seed))
-    for factor in (0.5, 2.0):
-        max_norm = _f32(factor * _np_norm(leaves, norm_type))
-        params = _torch_params(torch, leaves)
-        total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-        expected = [prm.grad.numpy() for prm in params]
-        updates, state_norm, clipped, norm = _run("jit", _torch_norm_fns, norm_type, g, max_norm)
-        what = f"max_norm = {factor} x norm"
-        tol = _torch_tolerance(norm_type)
-        _check(tol, state_norm, float(total), f"{what}: transform norm")
-        _check_tree(tol, updates, expected, f"{what}: transform", like=g)
-        _check(tol, norm, float(total), f"{what}: functional norm")
-        _check_tree(tol, clipped, expected, f"{what}: functional", like=g)
+  torch = pytest.importorskip("torch")
+  leaves = _random_leaves(seed)
+  g = _as_tree(leaves, _kind(seed))
+  for factor in (0.5, 2.0):
+    max_norm = _f32(factor * _np_norm(leaves, norm_type))
+    params = _torch_params(torch, leaves)
+    total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+    expected = [prm.grad.numpy() for prm in params]
+    updates, state_norm, clipped, norm = _run("jit", _torch_norm_fns, norm_type, g, max_norm)
+    what = f"max_norm = {factor} x norm"
+    tol = _torch_tolerance(norm_type)
+    _check(tol, state_norm, float(total), f"{what}: transform norm")
+    _check_tree(tol, updates, expected, f"{what}: transform", like=g)
+    _check(tol, norm, float(total), f"{what}: functional norm")
+    _check_tree(tol, clipped, expected, f"{what}: functional", like=g)
 
 
 @pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, math.inf], ids=["p1", "p2", "p3", "pinf"])
 def test_large_tensor_norm_within_ulps_of_exact(norm_type):
-    """On 2**20 values the norm is within 2 float32 ulps of the exact one.
+  """On 2**20 values the norm is within 2 float32 ulps of the exact one.
 
-    For orders other than 1, 2 and inf the root ``s ** (1 / p)`` takes a
-    rounded ``1 / p``: up to about 10 ulps. PyTorch's CPU norm kernel drifts
-    from the exact norm as tensors grow (docs/migration/pytorch.md quotes by
-    how much): where torch is installed, optaxclip's norm is no further from
-    PyTorch's than PyTorch's own error.
-    """
-    x = np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32)
-    exact = np.float32(_np_norm([x], norm_type))
-    norm = np.asarray(F.global_norm([jnp.asarray(x)], ord=norm_type))
-    ulps = 2 if norm_type in (1.0, 2.0, math.inf) else 10
-    assert _ulps(norm, exact) <= ulps, (norm, exact)
-    if importlib.util.find_spec("torch") is None:
-        return
-    torch = importlib.import_module("torch")
-    total = torch.nn.utils.get_total_norm([torch.tensor(x)], norm_type).numpy()
-    assert _ulps(norm, total) <= _ulps(total, exact) + ulps, (norm, total, exact)
+  For orders other than 1, 2 and inf the root ``s ** (1 / p)`` takes a
+  rounded ``1 / p``: up to about 10 ulps. PyTorch's CPU norm kernel drifts
+  from the exact norm as tensors grow (docs/migration/pytorch.md quotes by
+  how much): where torch is installed, optaxclip's norm is no further from
+  PyTorch's than PyTorch's own error.
+  """
+  x = np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32)
+  exact = np.float32(_np_norm([x], norm_type))
+  norm = np.asarray(F.global_norm([jnp.asarray(x)], ord=norm_type))
+  ulps = 2 if norm_type in (1.0, 2.0, math.inf) else 10
+  assert _ulps(norm, exact) <= ulps, (norm, exact)
+  if importlib.util.find_spec("torch") is None:
+    return
+  torch = importlib.import_module("torch")
+  total = torch.nn.utils.get_total_norm([torch.tensor(x)], norm_type).numpy()
+  assert _ulps(norm, total) <= _ulps(total, exact) + ulps, (norm, total, exact)
 
 
 @pytest.mark.parametrize("seed", SEEDS, ids=SEED_IDS)
 def test_live_torch_clip_grad_value(seed):
-    torch = pytest.importorskip("torch")
-    leaves = _random_leaves(seed)
-    g = _as_tree(leaves, _kind(seed))
-    c = _f32(0.5 * max(float(np.max(np.abs(x))) for x in leaves))
-    params = _torch_params(torch, leaves)
-    torch.nn.utils.clip_grad_value_(params, c)
-    expected = [prm.grad.numpy() for prm in params]
-    clipped, updates = _run("jit", _value_fns, None, g, c)
-    _check_tree("value", clipped, expected, "functional", like=g)
-    _check_tree("value", updates, expected, "transform", like=g)
+  torch = pytest.importorskip("torch")
+  leaves = _random_leaves(seed)
+  g = _as_tree(leaves, _kind(seed))
+  c = _f32(0.5 * max(float(np.max(np.abs(x))) for x in leaves))
+  params = _torch_params(torch, leaves)
+  torch.nn.utils.clip_grad_value_(params, c)
+  expected = [prm.grad.numpy() for prm in params]
+  clipped, updates = _run("jit", _value_fns, None, g, c)
+  _check_tree("value", clipped, expected, "functional", like=g)
+  _check_tree("value", updates, expected, "transform", like=g)
 
 
 @pytest.mark.parametrize("seed", SEEDS, ids=SEED_IDS)
 def test_live_tensorflow(seed):
-    tf = pytest.importorskip("tensorflow")
-    leaves = _random_leaves(seed)
-    g = _as_tree(leaves, _kind(seed))
-    tleaves = [tf.constant(x) for x in leaves]
+  tf = pytest.importorskip("tensorflow")
+  leaves = _random_leaves(seed)
+  g = _as_tree(leaves, _kind(seed))
+  tleaves = [tf.constant(x) for x in leaves]
 
-    for factor in (0.5, 2.0):
-        c = _f32(factor * _np_norm(leaves, 2.0))
-        exp_clipped, exp_norm = tf.clip_by_global_norm(tleaves, c)
-        expected = [x.numpy() for x in exp_clipped]
-        clipped, norm, updates, state_norm, _ = _run("jit", _global_norm_fns, None, g, c)
-        what = f"clip_norm = {factor} x norm"
-        _check("tensorflow", norm, float(exp_norm), f"{what}: functional norm")
-        _check_tree("tensorflow", clipped, expected, f"{what}: functional", like=g)
-        _check("tensorflow", state_norm, float(exp_norm), f"{what}: state norm")
-        _check_tree("tensorflow", updates, expected, f"{what}: transform", like=g)
+  for factor in (0.5, 2.0):
+    c = _f32(factor * _np_norm(leaves, 2.0))
+    exp_clipped, exp_norm = tf.clip_by_global_norm(tleaves, c)
+    expected = [x.numpy() for x in exp_clipped]
+    clipped, norm, updates, state_norm, _ = _run("jit", _global_norm_fns, None, g, c)
+    what = f"clip_norm = {factor} x norm"
+    _check("tensorflow", norm, float(exp_norm), f"{what}: functional norm")
+    _check_tree("tensorflow", clipped, expected, f"{what}: functional", like=g)
+    _check("tensorflow", state_norm, float(exp_norm), f"{what}: state norm")
+    _check_tree("tensorflow", updates, expected, f"{what}: transform", like=g)
 
-    leaf_norms = sorted(float(np.linalg.norm(x.astype(np.float64))) for x in leaves)
-    c = _f32(leaf_norms[len(leaf_norms) // 2])  # clips some leaves, not all
-    expected = [tf.clip_by_norm(x, c).numpy() for x in tleaves]
-    clipped, updates = _run("jit", _norm_fns, None, g, c)
-    _check_tree("tensorflow", clipped, expected, "clip_by_norm functional", like=g)
-    _check_tree("tensorflow", updates, expected, "clip_by_norm transform", like=g)
+  leaf_norms = sorted(float(np.linalg.norm(x.astype(np.float64))) for x in leaves)
+  c = _f32(leaf_norms[len(leaf_norms) // 2])  # clips some leaves, not all
+  expected = [tf.clip_by_norm(x, c).numpy() for x in tleaves]
+  clipped, updates = _run("jit", _norm_fns, None, g, c)
+  _check_tree("tensorflow", clipped, expected, "clip_by_norm functional", like=g)
+  _check_tree("tensorflow", updates, expected, "clip_by_norm transform", like=g)
 
-    m = max(float(np.max(np.abs(x))) for x in leaves)
-    lo, hi = _f32(-0.3 * m), _f32(0.6 * m)
-    expected = [tf.clip_by_value(x, lo, hi).numpy() for x in tleaves]
-    clipped, updates = _run("jit", _value_fns, None, g, hi, lo)
-    _check_tree("value", clipped, expected, "clip_by_value functional", like=g)
-    _check_tree("value", updates, expected, "clip_by_value transform", like=g)
+  m = max(float(np.max(np.abs(x))) for x in leaves)
+  lo, hi = _f32(-0.3 * m), _f32(0.6 * m)
+  expected = [tf.clip_by_value(x, lo, hi).numpy() for x in tleaves]
+  clipped, updates = _run("jit", _value_fns, None, g, hi, lo)
+  _check_tree("value", clipped, expected, "clip_by_value functional", like=g)
+  _check_tree("value", updates, expected, "clip_by_value transform", like=g)
 
 
 @pytest.mark.parametrize("seed", SEEDS, ids=SEED_IDS)
 def test_live_optax(seed):
-    leaves = _random_leaves(seed)
-    g = _as_tree(leaves, _kind(seed))
-    with warnings.catch_warnings():  # optax.global_norm is deprecated upstream
-        warnings.simplefilter("ignore", DeprecationWarning)
-        ref_norm = float(optax.global_norm(g))
-    _check("optax", _run("jit", _global_norm_fns, None, g, 1.0)[-1], ref_norm, "global_norm")
-    for factor in (0.5, 2.0):
-        c = _f32(factor * _np_norm(leaves, 2.0))
-        ref = optax.clip_by_global_norm(c)
-        expected, _ = ref.update(g, ref.init(g))
-        _, _, updates, _, _ = _run("jit", _global_norm_fns, None, g, c)
-        _check_tree("optax", updates, _tree_leaves(expected),
-                    f"clip_by_global_norm, max_norm = {factor} x norm", like=g)
-    d = _f32(0.4 * max(float(np.max(np.abs(x))) for x in leaves))
-    ref = optax.clip(d)
+  leaves = _random_leaves(seed)
+  g = _as_tree(leaves, _kind(seed))
+  with warnings.catch_warnings():  # optax.global_norm is deprecated upstream
+    warnings.simplefilter("ignore", DeprecationWarning)
+    ref_norm = float(optax.global_norm(g))
+  _check("optax", _run("jit", _global_norm_fns, None, g, 1.0)[-1], ref_norm, "global_norm")
+  for factor in (0.5, 2.0):
+    c = _f32(factor * _np_norm(leaves, 2.0))
+    ref = optax.clip_by_global_norm(c)
     expected, _ = ref.update(g, ref.init(g))
-    _, updates = _run("jit", _value_fns, None, g, d)
-    _check_tree("value", updates, _tree_leaves(expected), "clip", like=g)
+    _, _, updates, _, _ = _run("jit", _global_norm_fns, None, g, c)
+    _check_tree("optax", updates, _tree_leaves(expected),
+                f"clip_by_global_norm, max_norm = {factor} x norm", like=g)
+  d = _f32(0.4 * max(float(np.max(np.abs(x))) for x in leaves))
+  ref = optax.clip(d)
+  expected, _ = ref.update(g, ref.init(g))
+  _, updates = _run("jit", _value_fns, None, g, d)
+  _check_tree("value", updates, _tree_leaves(expected), "clip", like=g)
 
 
 if __name__ == "__main__":
-    rc = pytest.main([__file__, "-q", "-p", "no:cacheprovider"])
-    mod = sys.modules.get("test_parity") or sys.modules.get("tests.test_parity")
-    if mod is not None:
-        for tolerance, steps in sorted(mod.MAX_ULPS.items()):
-            print(f"largest difference, {tolerance}: {steps} float32 ulps "
-                  f"(allowed: {mod.ULPS[tolerance]})")
-    sys.exit(rc)
+  rc = pytest.main([__file__, "-q", "-p", "no:cacheprovider"])
+  mod = sys.modules.get("test_parity") or sys.modules.get("tests.test_parity")
+  if mod is not None:
+    for tolerance, steps in sorted(mod.MAX_ULPS.items()):
+      print(f"largest difference, {tolerance}: {steps} float32 ulps "
+            f"(allowed: {mod.ULPS[tolerance]})")
+  sys.exit(rc)

@@ -65,94 +65,94 @@ LARGE = 1e7  # fixed threshold above every tree's norm
 
 
 def f32(x) -> float:
-    """Python float holding the exact float32 value of ``x``."""
-    return float(np.float32(x))
+  """Python float holding the exact float32 value of ``x``."""
+  return float(np.float32(x))
 
 
 def to_list(a) -> list:
-    """float32 array -> nested lists of Python floats (exact float32 values)."""
-    a = np.asarray(a, dtype=np.float32)
-    return a.astype(np.float64).tolist()
+  """float32 array -> nested lists of Python floats (exact float32 values)."""
+  a = np.asarray(a, dtype=np.float32)
+  return a.astype(np.float64).tolist()
 
 
 def make_trees() -> dict[str, dict]:
-    rng = np.random.default_rng(SEED)
-    trees = {}
-    for name, shapes, scales in TREE_SPECS:
-        leaves = []
-        for shape, scale in zip(shapes, scales):
-            x = rng.standard_normal(shape)
-            # ``0 * x`` would give -0.0 for negative draws; use plain zeros.
-            leaves.append((x * scale if scale else np.zeros(shape)).astype(np.float32))
-        trees[name] = {"scales": scales, "leaves": leaves}
-    return trees
+  rng = np.random.default_rng(SEED)
+  trees = {}
+  for name, shapes, scales in TREE_SPECS:
+    leaves = []
+    for shape, scale in zip(shapes, scales):
+      x = rng.standard_normal(shape)
+      # ``0 * x`` would give -0.0 for negative draws; use plain zeros.
+      leaves.append((x * scale if scale else np.zeros(shape)).astype(np.float32))
+    trees[name] = {"scales": scales, "leaves": leaves}
+  return trees
 
 
 def true_norm(leaves, p: float) -> float:
-    """float64 reference norm; only used to place thresholds around the norm."""
-    flat = np.concatenate([np.ravel(x).astype(np.float64) for x in leaves])
-    if math.isinf(p):
-        return float(np.max(np.abs(flat)))
-    return float(np.sum(np.abs(flat) ** p) ** (1.0 / p))
+  """float64 reference norm; only used to place thresholds around the norm."""
+  flat = np.concatenate([np.ravel(x).astype(np.float64) for x in leaves])
+  if math.isinf(p):
+    return float(np.max(np.abs(flat)))
+  return float(np.sum(np.abs(flat) ** p) ** (1.0 / p))
 
 
 def norm_thresholds(norm: float) -> list[tuple[str, float]]:
-    fixed = [("tiny", f32(TINY)), ("large", f32(LARGE))]
-    if norm == 0.0:
-        return fixed
-    return [
-        ("half", f32(0.5 * norm)),
-        ("double", f32(2.0 * norm)),
-        ("atnorm", f32(norm)),
-    ] + fixed
+  fixed = [("tiny", f32(TINY)), ("large", f32(LARGE))]
+  if norm == 0.0:
+    return fixed
+  return [
+      ("half", f32(0.5 * norm)),
+      ("double", f32(2.0 * norm)),
+      ("atnorm", f32(norm)),
+  ] + fixed
 
 
 def value_thresholds(leaves) -> list[tuple[str, float]]:
-    m = max(float(np.max(np.abs(x))) for x in leaves)
-    fixed = [("tiny", f32(1e-4)), ("large", f32(LARGE))]
-    if m == 0.0:
-        return fixed
-    return [("half_max", f32(0.5 * m)), ("double_max", f32(2.0 * m))] + fixed
+  m = max(float(np.max(np.abs(x))) for x in leaves)
+  fixed = [("tiny", f32(1e-4)), ("large", f32(LARGE))]
+  if m == 0.0:
+    return fixed
+  return [("half_max", f32(0.5 * m)), ("double_max", f32(2.0 * m))] + fixed
 
 
 def asym_bounds(leaves) -> list[tuple[str, float, float]]:
-    m = max(float(np.max(np.abs(x))) for x in leaves)
-    if m == 0.0:
-        return [("fixed_asym", f32(-1e-4), f32(3e-4))]
-    return [
-        ("sym_half", f32(-0.5 * m), f32(0.5 * m)),
-        ("asym_lo_small", f32(-0.2 * m), f32(0.7 * m)),
-        ("asym_hi_small", f32(-0.9 * m), f32(0.1 * m)),
-        ("both_positive", f32(0.1 * m), f32(0.4 * m)),
-        ("both_negative", f32(-0.6 * m), f32(-0.05 * m)),
-    ]
+  m = max(float(np.max(np.abs(x))) for x in leaves)
+  if m == 0.0:
+    return [("fixed_asym", f32(-1e-4), f32(3e-4))]
+  return [
+      ("sym_half", f32(-0.5 * m), f32(0.5 * m)),
+      ("asym_lo_small", f32(-0.2 * m), f32(0.7 * m)),
+      ("asym_hi_small", f32(-0.9 * m), f32(0.1 * m)),
+      ("both_positive", f32(0.1 * m), f32(0.4 * m)),
+      ("both_negative", f32(-0.6 * m), f32(-0.05 * m)),
+  ]
 
 
 def per_leaf_thresholds(leaves) -> list[tuple[str, float]]:
-    norms = sorted(float(np.linalg.norm(x.astype(np.float64))) for x in leaves)
-    median = norms[len(norms) // 2]
-    fixed = [("tiny", f32(TINY)), ("large", f32(LARGE))]
-    if norms[-1] == 0.0:
-        return fixed
-    return [
-        ("half_median_leaf", f32(0.5 * median)),
-        ("double_max_leaf", f32(2.0 * norms[-1])),
-    ] + fixed
+  norms = sorted(float(np.linalg.norm(x.astype(np.float64))) for x in leaves)
+  median = norms[len(norms) // 2]
+  fixed = [("tiny", f32(TINY)), ("large", f32(LARGE))]
+  if norms[-1] == 0.0:
+    return fixed
+  return [
+      ("half_median_leaf", f32(0.5 * median)),
+      ("double_max_leaf", f32(2.0 * norms[-1])),
+  ] + fixed
 
 
 def norm_name(p: float) -> str:
-    return "inf" if math.isinf(p) else str(int(p))
+  return "inf" if math.isinf(p) else str(int(p))
 
 
 def serialize_trees(trees) -> dict:
-    return {
-        name: {"scales": t["scales"], "leaves": [to_list(x) for x in t["leaves"]]}
-        for name, t in trees.items()
-    }
+  return {
+      name: {"scales": t["scales"], "leaves": [to_list(x) for x in t["leaves"]]}
+      for name, t in trees.items()
+  }
 
 
 def base_versions() -> dict:
-    return {"python": platform.python_version(), "numpy": np.__version__}
+  return {"python": platform.python_version(), "numpy": np.__version__}
 
 
 # Well-known documented examples (named cases).
@@ -164,11 +164,11 @@ EX_TORCH_DOC = (
 
 
 def add_example_trees(out_trees: dict) -> None:
-    for name, leaves in (EX_3445, EX_TORCH_DOC):
-        out_trees[name] = {
-            "scales": None,
-            "leaves": [to_list(np.asarray(x, np.float32)) for x in leaves],
-        }
+  for name, leaves in (EX_3445, EX_TORCH_DOC):
+    out_trees[name] = {
+        "scales": None,
+        "leaves": [to_list(np.asarray(x, np.float32)) for x in leaves],
+    }
 
 
 # --------------------------------------------------------------------------
@@ -177,84 +177,84 @@ def add_example_trees(out_trees: dict) -> None:
 
 
 def torch_clip_grad_norm(leaves, max_norm, norm_type):
-    import torch
+  import torch
 
-    params = []
-    for x in leaves:
-        p = torch.nn.Parameter(torch.zeros(x.shape, dtype=torch.float32))
-        p.grad = torch.tensor(np.array(x, np.float32))
-        params.append(p)
-    total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-    return float(total), [p.grad.numpy().copy() for p in params]
+  params = []
+  for x in leaves:
+    p = torch.nn.Parameter(torch.zeros(x.shape, dtype=torch.float32))
+    p.grad = torch.tensor(np.array(x, np.float32))
+    params.append(p)
+  total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+  return float(total), [p.grad.numpy().copy() for p in params]
 
 
 def torch_clip_grad_value(leaves, clip_value):
-    import torch
+  import torch
 
-    params = []
-    for x in leaves:
-        p = torch.nn.Parameter(torch.zeros(x.shape, dtype=torch.float32))
-        p.grad = torch.tensor(np.array(x, np.float32))
-        params.append(p)
-    torch.nn.utils.clip_grad_value_(params, clip_value)
-    return [p.grad.numpy().copy() for p in params]
+  params = []
+  for x in leaves:
+    p = torch.nn.Parameter(torch.zeros(x.shape, dtype=torch.float32))
+    p.grad = torch.tensor(np.array(x, np.float32))
+    params.append(p)
+  torch.nn.utils.clip_grad_value_(params, clip_value)
+  return [p.grad.numpy().copy() for p in params]
 
 
 def gen_torch(trees) -> dict:
-    import torch
+  import torch
 
-    out = {
-        "library": "torch",
-        "versions": {**base_versions(), "torch": torch.__version__},
-        "generator": "tests/golden/generate.py",
-        "trees": serialize_trees(trees),
-        "clip_grad_norm_": [],
-        "clip_grad_value_": [],
-    }
-    add_example_trees(out["trees"])
-    for tname, t in trees.items():
-        leaves = t["leaves"]
-        for p in NORM_TYPES:
-            for label, max_norm in norm_thresholds(true_norm(leaves, p)):
-                total, clipped = torch_clip_grad_norm(leaves, max_norm, p)
-                out["clip_grad_norm_"].append({
-                    "name": f"{tname}-p{norm_name(p)}-{label}",
-                    "tree": tname,
-                    "max_norm": max_norm,
-                    "norm_type": "inf" if math.isinf(p) else p,
-                    "total_norm": f32(total),
-                    "clipped": [to_list(c) for c in clipped],
-                })
-        for label, c in value_thresholds(leaves):
-            clipped = torch_clip_grad_value(leaves, c)
-            out["clip_grad_value_"].append({
-                "name": f"{tname}-{label}",
-                "tree": tname,
-                "clip_value": c,
-                "clipped": [to_list(x) for x in clipped],
-            })
-    # Documented examples.
-    ex_cases = [(EX_3445, 5.0), (EX_TORCH_DOC, 0.5)]
-    for (name, raw), max_norm in ex_cases:
-        leaves = [np.asarray(x, np.float32) for x in raw]
-        total, clipped = torch_clip_grad_norm(leaves, max_norm, 2.0)
+  out = {
+      "library": "torch",
+      "versions": {**base_versions(), "torch": torch.__version__},
+      "generator": "tests/golden/generate.py",
+      "trees": serialize_trees(trees),
+      "clip_grad_norm_": [],
+      "clip_grad_value_": [],
+  }
+  add_example_trees(out["trees"])
+  for tname, t in trees.items():
+    leaves = t["leaves"]
+    for p in NORM_TYPES:
+      for label, max_norm in norm_thresholds(true_norm(leaves, p)):
+        total, clipped = torch_clip_grad_norm(leaves, max_norm, p)
         out["clip_grad_norm_"].append({
-            "name": f"{name}-p2-max{max_norm:g}",
-            "tree": name,
-            "max_norm": f32(max_norm),
-            "norm_type": 2.0,
+            "name": f"{tname}-p{norm_name(p)}-{label}",
+            "tree": tname,
+            "max_norm": max_norm,
+            "norm_type": "inf" if math.isinf(p) else p,
             "total_norm": f32(total),
             "clipped": [to_list(c) for c in clipped],
         })
-    name, raw = EX_TORCH_DOC
+    for label, c in value_thresholds(leaves):
+      clipped = torch_clip_grad_value(leaves, c)
+      out["clip_grad_value_"].append({
+          "name": f"{tname}-{label}",
+          "tree": tname,
+          "clip_value": c,
+          "clipped": [to_list(x) for x in clipped],
+      })
+  # Documented examples.
+  ex_cases = [(EX_3445, 5.0), (EX_TORCH_DOC, 0.5)]
+  for (name, raw), max_norm in ex_cases:
     leaves = [np.asarray(x, np.float32) for x in raw]
-    out["clip_grad_value_"].append({
-        "name": f"{name}-value0.1",
+    total, clipped = torch_clip_grad_norm(leaves, max_norm, 2.0)
+    out["clip_grad_norm_"].append({
+        "name": f"{name}-p2-max{max_norm:g}",
         "tree": name,
-        "clip_value": f32(0.1),
-        "clipped": [to_list(c) for c in torch_clip_grad_value(leaves, f32(0.1))],
+        "max_norm": f32(max_norm),
+        "norm_type": 2.0,
+        "total_norm": f32(total),
+        "clipped": [to_list(c) for c in clipped],
     })
-    return out
+  name, raw = EX_TORCH_DOC
+  leaves = [np.asarray(x, np.float32) for x in raw]
+  out["clip_grad_value_"].append({
+      "name": f"{name}-value0.1",
+      "tree": name,
+      "clip_value": f32(0.1),
+      "clipped": [to_list(c) for c in torch_clip_grad_value(leaves, f32(0.1))],
+  })
+  return out
 
 
 # --------------------------------------------------------------------------
@@ -263,60 +263,60 @@ def gen_torch(trees) -> dict:
 
 
 def gen_tensorflow(trees) -> dict:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import tensorflow as tf
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  import tensorflow as tf
 
-    out = {
-        "library": "tensorflow",
-        "versions": {**base_versions(), "tensorflow": tf.__version__},
-        "generator": "tests/golden/generate.py",
-        "trees": serialize_trees(trees),
-        "clip_by_global_norm": [],
-        "clip_by_norm": [],
-        "clip_by_value": [],
+  out = {
+      "library": "tensorflow",
+      "versions": {**base_versions(), "tensorflow": tf.__version__},
+      "generator": "tests/golden/generate.py",
+      "trees": serialize_trees(trees),
+      "clip_by_global_norm": [],
+      "clip_by_norm": [],
+      "clip_by_value": [],
+  }
+  add_example_trees(out["trees"])
+
+  def tf_leaves(leaves):
+    return [tf.constant(np.array(x, np.float32)) for x in leaves]
+
+  def global_norm_case(name, tname, leaves, c):
+    clipped, gnorm = tf.clip_by_global_norm(tf_leaves(leaves), c)
+    return {
+        "name": name,
+        "tree": tname,
+        "clip_norm": c,
+        "global_norm": f32(gnorm.numpy()),
+        "clipped": [to_list(x.numpy()) for x in clipped],
     }
-    add_example_trees(out["trees"])
 
-    def tf_leaves(leaves):
-        return [tf.constant(np.array(x, np.float32)) for x in leaves]
-
-    def global_norm_case(name, tname, leaves, c):
-        clipped, gnorm = tf.clip_by_global_norm(tf_leaves(leaves), c)
-        return {
-            "name": name,
-            "tree": tname,
-            "clip_norm": c,
-            "global_norm": f32(gnorm.numpy()),
-            "clipped": [to_list(x.numpy()) for x in clipped],
-        }
-
-    for tname, t in trees.items():
-        leaves = t["leaves"]
-        for label, c in norm_thresholds(true_norm(leaves, 2.0)):
-            out["clip_by_global_norm"].append(
-                global_norm_case(f"{tname}-{label}", tname, leaves, c))
-        for label, c in per_leaf_thresholds(leaves):
-            clipped = [tf.clip_by_norm(x, c).numpy() for x in tf_leaves(leaves)]
-            out["clip_by_norm"].append({
-                "name": f"{tname}-{label}",
-                "tree": tname,
-                "clip_norm": c,
-                "clipped": [to_list(x) for x in clipped],
-            })
-        for label, lo, hi in asym_bounds(leaves):
-            clipped = [tf.clip_by_value(x, lo, hi).numpy() for x in tf_leaves(leaves)]
-            out["clip_by_value"].append({
-                "name": f"{tname}-{label}",
-                "tree": tname,
-                "clip_value_min": lo,
-                "clip_value_max": hi,
-                "clipped": [to_list(x) for x in clipped],
-            })
-    name, raw = EX_3445
-    leaves = [np.asarray(x, np.float32) for x in raw]
-    out["clip_by_global_norm"].append(
-        global_norm_case(f"{name}-max5", name, leaves, f32(5.0)))
-    return out
+  for tname, t in trees.items():
+    leaves = t["leaves"]
+    for label, c in norm_thresholds(true_norm(leaves, 2.0)):
+      out["clip_by_global_norm"].append(
+          global_norm_case(f"{tname}-{label}", tname, leaves, c))
+    for label, c in per_leaf_thresholds(leaves):
+      clipped = [tf.clip_by_norm(x, c).numpy() for x in tf_leaves(leaves)]
+      out["clip_by_norm"].append({
+          "name": f"{tname}-{label}",
+          "tree": tname,
+          "clip_norm": c,
+          "clipped": [to_list(x) for x in clipped],
+      })
+    for label, lo, hi in asym_bounds(leaves):
+      clipped = [tf.clip_by_value(x, lo, hi).numpy() for x in tf_leaves(leaves)]
+      out["clip_by_value"].append({
+          "name": f"{tname}-{label}",
+          "tree": tname,
+          "clip_value_min": lo,
+          "clip_value_max": hi,
+          "clipped": [to_list(x) for x in clipped],
+      })
+  name, raw = EX_3445
+  leaves = [np.asarray(x, np.float32) for x in raw]
+  out["clip_by_global_norm"].append(
+      global_norm_case(f"{name}-max5", name, leaves, f32(5.0)))
+  return out
 
 
 # --------------------------------------------------------------------------
@@ -325,113 +325,113 @@ def gen_tensorflow(trees) -> dict:
 
 
 def gen_optax(trees) -> dict:
-    import warnings
+  import warnings
 
-    import jax
-    import jax.numpy as jnp
-    import optax
+  import jax
+  import jax.numpy as jnp
+  import optax
 
-    out = {
-        "library": "optax",
-        "versions": {**base_versions(), "optax": optax.__version__,
-                     "jax": jax.__version__},
-        "generator": "tests/golden/generate.py",
-        "trees": serialize_trees(trees),
-        "global_norm": [],
-        "clip_by_global_norm": [],
-        "clip": [],
-    }
-    add_example_trees(out["trees"])
-    # optax.global_norm is the documented reference but deprecated upstream.
-    warnings.filterwarnings("ignore", "optax.global_norm", DeprecationWarning)
+  out = {
+      "library": "optax",
+      "versions": {**base_versions(), "optax": optax.__version__,
+                   "jax": jax.__version__},
+      "generator": "tests/golden/generate.py",
+      "trees": serialize_trees(trees),
+      "global_norm": [],
+      "clip_by_global_norm": [],
+      "clip": [],
+  }
+  add_example_trees(out["trees"])
+  # optax.global_norm is the documented reference but deprecated upstream.
+  warnings.filterwarnings("ignore", "optax.global_norm", DeprecationWarning)
 
-    def jleaves(leaves):
-        return [jnp.asarray(np.array(x, np.float32)) for x in leaves]
+  def jleaves(leaves):
+    return [jnp.asarray(np.array(x, np.float32)) for x in leaves]
 
-    for tname, t in trees.items():
-        leaves = t["leaves"]
-        out["global_norm"].append({
-            "name": tname,
-            "tree": tname,
-            "global_norm": f32(np.asarray(optax.global_norm(jleaves(leaves)))),
-        })
-        for label, c in norm_thresholds(true_norm(leaves, 2.0)):
-            tx = optax.clip_by_global_norm(c)
-            g = jleaves(leaves)
-            upd, _ = tx.update(g, tx.init(g))
-            out["clip_by_global_norm"].append({
-                "name": f"{tname}-{label}",
-                "tree": tname,
-                "max_norm": c,
-                "clipped": [to_list(np.asarray(x)) for x in upd],
-            })
-        for label, d in value_thresholds(leaves):
-            tx = optax.clip(d)
-            g = jleaves(leaves)
-            upd, _ = tx.update(g, tx.init(g))
-            out["clip"].append({
-                "name": f"{tname}-{label}",
-                "tree": tname,
-                "max_delta": d,
-                "clipped": [to_list(np.asarray(x)) for x in upd],
-            })
-    name, raw = EX_3445
-    leaves = [np.asarray(x, np.float32) for x in raw]
-    tx = optax.clip_by_global_norm(5.0)
-    g = jleaves(leaves)
-    upd, _ = tx.update(g, tx.init(g))
-    out["clip_by_global_norm"].append({
-        "name": f"{name}-max5",
-        "tree": name,
-        "max_norm": f32(5.0),
-        "clipped": [to_list(np.asarray(x)) for x in upd],
-    })
+  for tname, t in trees.items():
+    leaves = t["leaves"]
     out["global_norm"].append({
-        "name": name,
-        "tree": name,
-        "global_norm": f32(np.asarray(optax.global_norm(g))),
+        "name": tname,
+        "tree": tname,
+        "global_norm": f32(np.asarray(optax.global_norm(jleaves(leaves)))),
     })
-    return out
+    for label, c in norm_thresholds(true_norm(leaves, 2.0)):
+      tx = optax.clip_by_global_norm(c)
+      g = jleaves(leaves)
+      upd, _ = tx.update(g, tx.init(g))
+      out["clip_by_global_norm"].append({
+          "name": f"{tname}-{label}",
+          "tree": tname,
+          "max_norm": c,
+          "clipped": [to_list(np.asarray(x)) for x in upd],
+      })
+    for label, d in value_thresholds(leaves):
+      tx = optax.clip(d)
+      g = jleaves(leaves)
+      upd, _ = tx.update(g, tx.init(g))
+      out["clip"].append({
+          "name": f"{tname}-{label}",
+          "tree": tname,
+          "max_delta": d,
+          "clipped": [to_list(np.asarray(x)) for x in upd],
+      })
+  name, raw = EX_3445
+  leaves = [np.asarray(x, np.float32) for x in raw]
+  tx = optax.clip_by_global_norm(5.0)
+  g = jleaves(leaves)
+  upd, _ = tx.update(g, tx.init(g))
+  out["clip_by_global_norm"].append({
+      "name": f"{name}-max5",
+      "tree": name,
+      "max_norm": f32(5.0),
+      "clipped": [to_list(np.asarray(x)) for x in upd],
+  })
+  out["global_norm"].append({
+      "name": name,
+      "tree": name,
+      "global_norm": f32(np.asarray(optax.global_norm(g))),
+  })
+  return out
 
 
 def _dumps(obj) -> str:
-    return json.dumps(obj, allow_nan=False, separators=(",", ":"))
+  return json.dumps(obj, allow_nan=False, separators=(",", ":"))
 
 
 def write(name: str, data: dict) -> str:
-    """Writes ``data`` as JSON with one tree / one case per line (readable diffs)."""
-    parts = []
-    for key, value in data.items():
-        if isinstance(value, list):
-            body = ",\n".join(_dumps(v) for v in value)
-            parts.append(f"{_dumps(key)}:[\n{body}\n]")
-        elif key == "trees":
-            body = ",\n".join(f"{_dumps(k)}:{_dumps(v)}" for k, v in value.items())
-            parts.append(f"{_dumps(key)}:{{\n{body}\n}}")
-        else:
-            parts.append(f"{_dumps(key)}:{_dumps(value)}")
-    text = "{\n" + ",\n".join(parts) + "\n}\n"
-    assert json.loads(text) == data
-    path = os.path.join(HERE, name)
-    with open(path, "w") as fh:
-        fh.write(text)
-    return path
+  """Writes ``data`` as JSON with one tree / one case per line (readable diffs)."""
+  parts = []
+  for key, value in data.items():
+    if isinstance(value, list):
+      body = ",\n".join(_dumps(v) for v in value)
+      parts.append(f"{_dumps(key)}:[\n{body}\n]")
+    elif key == "trees":
+      body = ",\n".join(f"{_dumps(k)}:{_dumps(v)}" for k, v in value.items())
+      parts.append(f"{_dumps(key)}:{{\n{body}\n}}")
+    else:
+      parts.append(f"{_dumps(key)}:{_dumps(value)}")
+  text = "{\n" + ",\n".join(parts) + "\n}\n"
+  assert json.loads(text) == data
+  path = os.path.join(HERE, name)
+  with open(path, "w") as fh:
+    fh.write(text)
+  return path
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    which = set(argv) or {"torch", "tensorflow", "optax"}
-    trees = make_trees()
-    gens = {"torch": gen_torch, "tensorflow": gen_tensorflow, "optax": gen_optax}
-    for lib in ("torch", "tensorflow", "optax"):
-        if lib not in which:
-            continue
-        data = gens[lib](trees)
-        path = write(f"{lib}.json", data)
-        n = sum(len(v) for k, v in data.items() if isinstance(v, list))
-        print(f"{path}: {n} cases, {os.path.getsize(path)} bytes")
-    return 0
+  argv = sys.argv[1:] if argv is None else argv
+  which = set(argv) or {"torch", "tensorflow", "optax"}
+  trees = make_trees()
+  gens = {"torch": gen_torch, "tensorflow": gen_tensorflow, "optax": gen_optax}
+  for lib in ("torch", "tensorflow", "optax"):
+    if lib not in which:
+      continue
+    data = gens[lib](trees)
+    path = write(f"{lib}.json", data)
+    n = sum(len(v) for k, v in data.items() if isinstance(v, list))
+    print(f"{path}: {n} cases, {os.path.getsize(path)} bytes")
+  return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+  sys.exit(main())
