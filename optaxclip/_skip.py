@@ -136,6 +136,49 @@ def _keep_unless_loss_scale(skip: jax.Array, new: PyTree, old: PyTree) -> PyTree
                       is_leaf=_placement.is_loss_scale_state)
 
 
+def _decide(stats: SkipStats, norm: jax.Array, *, nonfinite: bool,
+            max_norm: Scalar | None, zscore: Scalar | None,
+            warmup_steps: Scalar) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(skip, too_large, spike)`` for a step with ``norm`` (in the
+  statistics' dtype): whether to skip it, and the two reasons by norm."""
+  dtype = stats.norm.dtype
+  finite = jnp.isfinite(norm)
+  skip = jnp.logical_not(finite) if nonfinite else jnp.bool_(False)
+  too_large = jnp.bool_(False)
+  if max_norm is not None:
+    too_large = finite & (norm > jnp.asarray(max_norm, dtype))
+    skip = skip | too_large
+  spike = jnp.bool_(False)
+  if zscore is not None:
+    active = stats.ema_count >= jnp.maximum(warmup_steps, 1)
+    limit = (jnp.asarray(zscore, dtype) *
+             _running_stats.safe_sqrt(stats.norm_var))
+    spike = finite & active & (norm - stats.norm_mean > limit)
+    skip = skip | spike
+  return skip, too_large, spike
+
+
+def step(stats: SkipStats, norm: jax.Array, *, nonfinite: bool,
+         max_norm: Scalar | None, zscore: Scalar | None, ema_decay: Scalar,
+         warmup_steps: Scalar) -> tuple[jax.Array, SkipStats]:
+  """Whether to skip a step with ``norm`` (in the statistics' dtype), and
+  the statistics after it (see ``skip_step``)."""
+  skip, too_large, spike = _decide(stats, norm, nonfinite=nonfinite,
+                                   max_norm=max_norm, zscore=zscore,
+                                   warmup_steps=warmup_steps)
+  finite = jnp.isfinite(norm)
+  accepted = finite & ~skip
+  count_if = _counters.count_if
+  return skip, SkipStats(
+      norm=norm,
+      count=_counters.increment(stats.count),
+      skipped_count=count_if(skip, stats.skipped_count),
+      nonfinite_count=count_if(~finite, stats.nonfinite_count),
+      max_norm_count=count_if(too_large, stats.max_norm_count),
+      zscore_count=count_if(spike, stats.zscore_count),
+      **_moments(stats, norm, accepted, ema_decay))
+
+
 def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
               max_norm: Scalar | None = None, zscore: Scalar | None = None,
               ema_decay: Scalar = 0.99, warmup_steps: Scalar = 100, ord: Ord = 2,
@@ -254,6 +297,8 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
   p = _validation.check_ord(fn, ord)
   _validation.check_specs(fn, specs, axis_name)
   inner = optax.with_extra_args_support(inner)
+  settings = {"nonfinite": nonfinite, "max_norm": max_norm, "zscore": zscore,
+              "ema_decay": ema_decay, "warmup_steps": warmup_steps}
 
   def init_fn(params):
     inner_state = inner.init(params)
@@ -274,37 +319,13 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
     loss_scales = _placement.find_loss_scale_states(state.inner_state)
     if loss_scales:  # the input is scaled: judge the unscaled gradients
       norm = (norm / loss_scales[0].scale).astype(dtype)
-    finite = jnp.isfinite(norm)
-
-    skip = jnp.logical_not(finite) if nonfinite else jnp.bool_(False)
-    too_large = jnp.bool_(False)
-    if max_norm is not None:
-      too_large = finite & (norm > jnp.asarray(max_norm, dtype))
-      skip = skip | too_large
-    spike = jnp.bool_(False)
-    if zscore is not None:
-      active = stats.ema_count >= jnp.maximum(warmup_steps, 1)
-      limit = (jnp.asarray(zscore, dtype) *
-               _running_stats.safe_sqrt(stats.norm_var))
-      spike = finite & active & (norm - stats.norm_mean > limit)
-      skip = skip | spike
-    accepted = finite & ~skip
+    skip, new_stats = step(stats, norm, **settings)
 
     new_updates, new_inner = inner.update(updates, state.inner_state, params,
                                           **extra_args)
     new_updates = jax.tree.map(
         lambda u: jnp.where(skip, jnp.zeros_like(u), u), new_updates)
     new_inner = _keep_unless_loss_scale(skip, new_inner, state.inner_state)
-
-    count_if = _counters.count_if
-    new_stats = SkipStats(
-        norm=norm,
-        count=_counters.increment(stats.count),
-        skipped_count=count_if(skip, stats.skipped_count),
-        nonfinite_count=count_if(~finite, stats.nonfinite_count),
-        max_norm_count=count_if(too_large, stats.max_norm_count),
-        zscore_count=count_if(spike, stats.zscore_count),
-        **_moments(stats, norm, accepted, ema_decay))
     return new_updates, SkipState(stats=new_stats, inner_state=new_inner)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

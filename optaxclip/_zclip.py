@@ -98,6 +98,98 @@ def _safe_divide(numerator: jax.Array, denominator: jax.Array,
                    at_zero)
 
 
+def _spike_threshold(norm: jax.Array, mean: jax.Array, std: jax.Array,
+                     z: jax.Array, *, z_thresh: Scalar, mode: Mode,
+                     clip_option: ClipOption, clip_factor: Scalar
+                     ) -> tuple[jax.Array, jax.Array]:
+  """Whether ``norm`` is a spike, and the threshold it is cut to."""
+  z_limit = jnp.asarray(z_thresh, norm.dtype)
+  if mode == "percentile":
+    limit = mean + z_limit * std
+    return norm > limit, limit
+  if clip_option == "mean":
+    return z > z_limit, mean
+  # The reference's mean + z_thresh * std / (z / z_thresh), times
+  # clip_factor; z > z_thresh >= 0 wherever it is used.
+  eta = _safe_divide(z, z_limit, jnp.inf)
+  limit = mean + _safe_divide(z_limit * std, eta, 0.0)
+  return z > z_limit, limit * jnp.asarray(clip_factor, norm.dtype)
+
+
+def step(state: ZClipState, norm: jax.Array, *, alpha: Scalar,
+         z_thresh: Scalar, max_grad_norm: Scalar | None, eps: Scalar,
+         mode: Mode, clip_option: ClipOption, clip_factor: Scalar,
+         skip_update_on_spike: bool) -> tuple[jax.Array, ZClipState]:
+  """One step of ``zclip``'s statistics: the factor for ``norm`` and the
+  state after it (``norm`` in the state's float dtype; see ``zclip``)."""
+  dtype = state.mean.dtype
+  finite = jnp.isfinite(norm)
+  a = jnp.asarray(alpha, dtype)
+
+  # Warm-up: collect the norm; the buffer's length is warmup_steps (read
+  # from the state: under inject_hyperparams the argument is traced here).
+  length = state.warmup_norms.shape[0]
+  warming = state.collected < length
+  collect = warming & finite
+  slot = jnp.minimum(state.collected, length - 1)
+  buffer = jnp.where(collect, state.warmup_norms.at[slot].set(norm),
+                     state.warmup_norms)
+  collected = state.collected + collect.astype(jnp.int32)
+  starts = warming & (collected >= length)
+  # Only the last warm-up step needs them (and pays for the median).
+  first_mean, first_var = jax.lax.cond(
+      starts, _running_stats.robust_moments, lambda b: (state.mean, state.var),
+      buffer)
+
+  # After warm-up: z-score against the EMA.
+  std = _running_stats.safe_sqrt(state.var)
+  deviation = norm - state.mean
+  z = _safe_divide(deviation, std + jnp.asarray(eps, dtype),
+                   jnp.where(deviation > 0, jnp.inf, 0.0))
+  spike, limit = _spike_threshold(norm, state.mean, std, z, z_thresh=z_thresh,
+                                  mode=mode, clip_option=clip_option,
+                                  clip_factor=clip_factor)
+  spike = spike & ~warming
+  threshold = jnp.where(spike, limit, norm)
+  if max_grad_norm is not None:
+    threshold = jnp.minimum(threshold, jnp.asarray(max_grad_norm, dtype))
+  coefficient = _safe_divide(threshold, norm + COEFFICIENT_EPS, 1.0)
+  factor = jnp.where(norm > threshold, coefficient, 1.0)
+  if max_grad_norm is not None:  # warm-up: torch's clip_grad_norm_
+    warm_factor = _scaling.clip_factor(norm, max_grad_norm, COEFFICIENT_EPS)
+  else:
+    warm_factor = jnp.ones([], dtype)
+  factor = jnp.where(warming, warm_factor, factor)
+
+  # EMA: mean first, then the variance around the new mean (ZClip's).
+  observed = jnp.where(spike, limit, norm)
+  mean, var = _running_stats.ema(state.mean, state.var, observed, a,
+                                 zclip=True)
+  tracks = ~warming & finite
+  if skip_update_on_spike:
+    tracks = tracks & ~spike
+  mean = jnp.where(starts, first_mean, jnp.where(tracks, mean, state.mean))
+  var = jnp.where(starts, first_var, jnp.where(tracks, var, state.var))
+  # Statistics that ordinary norms find far above them: warm up again.
+  stale, restart = _running_stats.stale_streak(
+      state.stale_count, norm, state.mean, ~warming & finite)
+  mean, var = jnp.where(restart, 0, mean), jnp.where(restart, 0, var)
+  # A warm-up of zero norms gives no scale: with mean and std 0 every later
+  # norm would be a spike cut to 0, zeroing every update for good.
+  restart = restart | (starts & (first_mean == 0))
+
+  new_state = ZClipState(
+      mean=mean.astype(dtype), var=var.astype(dtype),
+      warmup_norms=buffer.astype(dtype),
+      collected=jnp.where(restart, 0, collected).astype(jnp.int32),
+      norm=norm, z=jnp.where(warming, 0.0, z).astype(dtype),
+      threshold=threshold.astype(dtype), scale=factor.astype(dtype),
+      spike_count=_counters.count_if(spike, state.spike_count),
+      stale_count=stale,
+      **_counters.step_counts(state, finite=finite, clipped=factor < 1))
+  return factor, new_state
+
+
 def zclip(*, alpha: Scalar = 0.97, z_thresh: Scalar = 2.5,
           max_grad_norm: Scalar = 1.0, eps: Scalar = 1e-6, warmup_steps: int = 25,
           mode: Mode = "zscore", clip_option: ClipOption = "adaptive_scaling",
@@ -225,19 +317,10 @@ def zclip(*, alpha: Scalar = 0.97, z_thresh: Scalar = 2.5,
     length = _validation.require_buffer_size(fn, "warmup_steps", size)
     return ZClipState.fresh(_running_stats.statistics_dtype(params), length)
 
-  def spike_threshold(norm, mean, std, z):
-    """Whether ``norm`` is a spike, and the threshold it is cut to."""
-    z_limit = jnp.asarray(z_thresh, norm.dtype)
-    if mode == "percentile":
-      limit = mean + z_limit * std
-      return norm > limit, limit
-    if clip_option == "mean":
-      return z > z_limit, mean
-    # The reference's mean + z_thresh * std / (z / z_thresh), times
-    # clip_factor; z > z_thresh >= 0 wherever it is used.
-    eta = _safe_divide(z, z_limit, jnp.inf)
-    limit = mean + _safe_divide(z_limit * std, eta, 0.0)
-    return z > z_limit, limit * jnp.asarray(clip_factor, norm.dtype)
+  settings = {"alpha": alpha, "z_thresh": z_thresh,
+              "max_grad_norm": max_grad_norm, "eps": eps, "mode": mode,
+              "clip_option": clip_option, "clip_factor": clip_factor,
+              "skip_update_on_spike": skip_update_on_spike}
 
   def update_fn(updates, state, params=None):
     del params
@@ -246,69 +329,7 @@ def zclip(*, alpha: Scalar = 0.97, z_thresh: Scalar = 2.5,
     leaves = _tree.clippable_leaves(updates)
     dtype = state.mean.dtype  # the statistics' (see init), every step
     norm = _norms.norm_of_leaves(leaves, 2, reduction).astype(dtype)
-    finite = jnp.isfinite(norm)
-    a = jnp.asarray(alpha, dtype)
-
-    # Warm-up: collect the norm; the buffer's length is warmup_steps (read
-    # from the state: under inject_hyperparams the argument is traced here).
-    length = state.warmup_norms.shape[0]
-    warming = state.collected < length
-    collect = warming & finite
-    slot = jnp.minimum(state.collected, length - 1)
-    buffer = jnp.where(collect, state.warmup_norms.at[slot].set(norm),
-                       state.warmup_norms)
-    collected = state.collected + collect.astype(jnp.int32)
-    starts = warming & (collected >= length)
-    # Only the last warm-up step needs them (and pays for the median).
-    first_mean, first_var = jax.lax.cond(
-        starts, _running_stats.robust_moments, lambda b: (state.mean, state.var),
-        buffer)
-
-    # After warm-up: z-score against the EMA.
-    std = _running_stats.safe_sqrt(state.var)
-    deviation = norm - state.mean
-    z = _safe_divide(deviation, std + jnp.asarray(eps, dtype),
-                     jnp.where(deviation > 0, jnp.inf, 0.0))
-    spike, limit = spike_threshold(norm, state.mean, std, z)
-    spike = spike & ~warming
-    threshold = jnp.where(spike, limit, norm)
-    if max_grad_norm is not None:
-      threshold = jnp.minimum(threshold, jnp.asarray(max_grad_norm, dtype))
-    coefficient = _safe_divide(threshold, norm + COEFFICIENT_EPS, 1.0)
-    factor = jnp.where(norm > threshold, coefficient, 1.0)
-    if max_grad_norm is not None:  # warm-up: torch's clip_grad_norm_
-      warm_factor = _scaling.clip_factor(norm, max_grad_norm,
-                                               COEFFICIENT_EPS)
-    else:
-      warm_factor = jnp.ones([], dtype)
-    factor = jnp.where(warming, warm_factor, factor)
-
-    # EMA: mean first, then the variance around the new mean (ZClip's).
-    observed = jnp.where(spike, limit, norm)
-    mean, var = _running_stats.ema(state.mean, state.var, observed, a,
-                                   zclip=True)
-    tracks = ~warming & finite
-    if skip_update_on_spike:
-      tracks = tracks & ~spike
-    mean = jnp.where(starts, first_mean, jnp.where(tracks, mean, state.mean))
-    var = jnp.where(starts, first_var, jnp.where(tracks, var, state.var))
-    # Statistics that ordinary norms find far above them: warm up again.
-    stale, restart = _running_stats.stale_streak(
-        state.stale_count, norm, state.mean, ~warming & finite)
-    mean, var = jnp.where(restart, 0, mean), jnp.where(restart, 0, var)
-    # A warm-up of zero norms gives no scale: with mean and std 0 every later
-    # norm would be a spike cut to 0, zeroing every update for good.
-    restart = restart | (starts & (first_mean == 0))
-
-    new_state = ZClipState(
-        mean=mean.astype(dtype), var=var.astype(dtype),
-        warmup_norms=buffer.astype(dtype),
-        collected=jnp.where(restart, 0, collected).astype(jnp.int32),
-        norm=norm, z=jnp.where(warming, 0.0, z).astype(dtype),
-        threshold=threshold.astype(dtype), scale=factor.astype(dtype),
-        spike_count=_counters.count_if(spike, state.spike_count),
-        stale_count=stale,
-        **_counters.step_counts(state, finite=finite, clipped=factor < 1))
+    factor, new_state = step(state, norm, **settings)
     return _scaling.scale_leaves(updates, factor), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)

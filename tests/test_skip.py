@@ -330,3 +330,22 @@ def test_stats_std_has_a_finite_gradient_at_a_zero_variance():
   std = lambda var: oc.stats(state._replace(
       stats=state.stats._replace(norm_var=var)))["skip/norm_std"]
   assert float(jax.grad(std)(jnp.float32(0.0))) == 0.0
+
+
+def test_step_is_the_wrappers_decision_and_statistics():
+  """``step`` is a pure function of (statistics, norm) that tests can call:
+  the wrapper skips exactly when it says so and keeps its statistics."""
+  from optaxclip import _skip
+  settings = {"nonfinite": True, "max_norm": 10.0, "zscore": 2.0,
+              "ema_decay": 0.9, "warmup_steps": 2}
+  tx = oc.skip_step(optax.sgd(1.0), **settings)
+  params = {"w": jnp.zeros(2)}
+  state = tx.init(params)
+  expected = state.stats
+  for g in [1.0, 1.5, 1.2, 9.0, 20.0, float("nan"), 1.1]:
+    grads = {"w": jnp.array([g, 0.0])}
+    updates, state = tx.update(grads, state, params)
+    skip, expected = _skip.step(expected, jnp.float32(abs(g)), **settings)
+    assert bool(skip) == (not np.any(updates["w"]))
+    for got, want in zip(state.stats, expected):
+      np.testing.assert_array_equal(got, want)

@@ -241,3 +241,21 @@ def test_a_warm_up_of_zero_norms_starts_again():
   updates, state = update({"w": jnp.array([3e3, 4e3])}, state)  # a spike
   assert int(state.spike_count) == 1
   assert float(np.linalg.norm(updates["w"])) < 5e3
+
+
+def test_step_is_the_transforms_statistics_update():
+  """``step`` is a pure function of (state, norm) that tests can call: the
+  transform's update is the step's factor applied to the gradients."""
+  from optaxclip import _zclip
+  settings = {"alpha": 0.9, "z_thresh": 2.5, "max_grad_norm": 1.0, "eps": 1e-6,
+              "mode": "zscore", "clip_option": "adaptive_scaling",
+              "clip_factor": 1.0, "skip_update_on_spike": False}
+  tx = zclip(warmup_steps=2, **settings)
+  state = expected = tx.init(None)
+  for g in [1.0, 2.0, 30.0, 0.5]:
+    grads = {"w": jnp.array([g, 0.0])}
+    updates, state = tx.update(grads, state)
+    factor, expected = _zclip.step(expected, jnp.float32(g), **settings)
+    np.testing.assert_array_equal(updates["w"], np.array([g, 0.0], np.float32) * factor)
+    for got, want in zip(state, expected):
+      np.testing.assert_array_equal(got, want)
