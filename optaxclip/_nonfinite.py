@@ -7,7 +7,7 @@ Inf, eagerly and under ``jit`` alike.
 """
 
 import functools
-from typing import Any
+from typing import Any, get_args
 
 import jax
 import jax.numpy as jnp
@@ -15,9 +15,10 @@ from jax import lax
 from jax.core import Tracer
 
 from optaxclip import _tree
+from optaxclip._types import NonFinite
 
 PyTree = Any
-MODES = ("propagate", "zero", "raise")
+MODES = get_args(NonFinite)
 
 
 class NonFiniteGradientError(RuntimeError):
