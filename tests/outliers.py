@@ -6,9 +6,20 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 OUTLIER_SIZES = [1e3, 1e10, 2e19, 3e38]  # multiples of the usual norm (~1)
 SPIKE = 1e6  # the probe: a spike every transform must catch again
+
+
+def over_outlier_sizes(test):
+  """Runs ``test(..., size)`` for outlier sizes from 1e3 to 3e38: a few drawn
+  by hypothesis and always the four sizes of ``OUTLIER_SIZES``."""
+  for size in OUTLIER_SIZES:
+    test = example(size=size).via("the sizes of the issue")(test)
+  return settings(max_examples=6, deadline=None)(
+      given(size=st.floats(1e3, 3e38))(test))
 
 
 def ordinary_norms(steps, seed=0):

@@ -12,15 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import example, given, settings
-from hypothesis import strategies as st
 from outliers import (
-  OUTLIER_SIZES,
   SPIKE,
   assert_finite,
   gradients_through_updates,
   ordinary_norms,
   outlier_step,
+  over_outlier_sizes,
   scan_of,
 )
 from test_autoclip import STEPS, Largest, f64_leaves
@@ -199,12 +197,7 @@ def two_tensor_steps(outlier_at=None, size=1.0, spike_at=ADAGC_STEPS - 1):
 
 
 @pytest.mark.parametrize("where", ["first", "warm-up", "after"])
-@settings(max_examples=6, deadline=None)
-@given(size=st.floats(1e3, 3e38))
-@example(size=OUTLIER_SIZES[0]).via("the sizes of the issue")
-@example(size=OUTLIER_SIZES[1]).via("the sizes of the issue")
-@example(size=OUTLIER_SIZES[2]).via("the sizes of the issue")
-@example(size=OUTLIER_SIZES[3]).via("the sizes of the issue")
+@over_outlier_sizes
 def test_one_outlier_of_any_size_does_not_set_the_thresholds(where, size):
   at = outlier_step(where, ADAGC_WARMUP)
   run = scan_of(ADAGC)

@@ -12,13 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from outliers import (
-  OUTLIER_SIZES,
   assert_finite,
   gradients_through_updates,
   norms_with_outlier,
+  over_outlier_sizes,
   scan_of,
   trees_with_norms,
 )
@@ -241,12 +241,7 @@ AUTO_CLIPS = {p: auto_clip(p, history=32) for p in (10.0, 90.0)}
 
 @pytest.mark.parametrize("percentile", list(AUTO_CLIPS))
 @pytest.mark.parametrize("at", [0, 5, 25])
-@settings(max_examples=6, deadline=None)
-@given(size=st.floats(1e3, 3e38))
-@example(size=OUTLIER_SIZES[0]).via("the sizes of the issue")
-@example(size=OUTLIER_SIZES[1]).via("the sizes of the issue")
-@example(size=OUTLIER_SIZES[2]).via("the sizes of the issue")
-@example(size=OUTLIER_SIZES[3]).via("the sizes of the issue")
+@over_outlier_sizes
 def test_one_outlier_of_any_size_takes_one_rank_of_the_history(percentile, at, size):
   # The bound of auto_clip's docstring: (300 - p) / (100 - p) norms held.
   probe = max(at + 1, int(np.ceil((300 - percentile) / (100 - percentile))) - 1)

@@ -8,17 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import example, given, settings
-from hypothesis import strategies as st
 from jax import shard_map
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from outliers import (
-  OUTLIER_SIZES,
   assert_finite,
   gradients_through_updates,
   norms_with_outlier,
   outlier_step,
+  over_outlier_sizes,
   scan_of,
   trees_with_norms,
 )
@@ -295,12 +293,7 @@ SKIPS = {w: skip_step(optax.sgd(1.0), zscore=6.0, warmup_steps=w) for w in (1, 5
 
 @pytest.mark.parametrize("warmup", list(SKIPS))
 @pytest.mark.parametrize("where", ["first", "warm-up", "after"])
-@settings(max_examples=6, deadline=None)
-@given(size=st.floats(1e3, 3e38))
-@example(size=OUTLIER_SIZES[0]).via("the sizes of the issue")
-@example(size=OUTLIER_SIZES[1]).via("the sizes of the issue")
-@example(size=OUTLIER_SIZES[2]).via("the sizes of the issue")
-@example(size=OUTLIER_SIZES[3]).via("the sizes of the issue")
+@over_outlier_sizes
 def test_one_outlier_of_any_size_does_not_disable_the_zscore_test(
     warmup, where, size):
   at = outlier_step(where, warmup)

@@ -13,14 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import example, given, settings
-from hypothesis import strategies as st
 from outliers import (
-  OUTLIER_SIZES,
   assert_finite,
   gradients_through_updates,
   norms_with_outlier,
   outlier_step,
+  over_outlier_sizes,
   scan_of,
   trees_with_norms,
 )
@@ -185,12 +183,7 @@ ZCLIPS = {w: zclip(warmup_steps=w, max_grad_norm=None) for w in (1, 2, 5)}
 
 @pytest.mark.parametrize("warmup", list(ZCLIPS))
 @pytest.mark.parametrize("where", ["first", "warm-up", "after"])
-@settings(max_examples=6, deadline=None)
-@given(size=st.floats(1e3, 3e38))
-@example(size=OUTLIER_SIZES[0]).via("the sizes of the issue")
-@example(size=OUTLIER_SIZES[1]).via("the sizes of the issue")
-@example(size=OUTLIER_SIZES[2]).via("the sizes of the issue")
-@example(size=OUTLIER_SIZES[3]).via("the sizes of the issue")
+@over_outlier_sizes
 def test_one_outlier_of_any_size_does_not_disable_spike_detection(
     warmup, where, size):
   at = outlier_step(where, warmup)
