@@ -95,6 +95,8 @@ LOSS_SCALED = {"loss_scale/overflow_count": NONFINITE}
 class Composition:
   build: Callable[[], Any]
   counters: dict[str, set[str]]  # stats key -> the kinds of batch it counts
+  flags: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # stats
+  #                 key -> the kinds of batch it is set for (a per-step flag)
   scaled: bool = False  # the loss is multiplied by loss_scale(state)
   spikes: bool = True  # it guards against spikes, and is fed them
   skips: bool = True  # counted batches never reach the inner optimizer
@@ -143,11 +145,13 @@ COMPOSITIONS = {
     "MultiSteps(chain(clip, adam), microbatch_guard)": Composition(
         lambda: optax.MultiSteps(_clip_adam(), ACCUMULATE,
                                  should_skip_update_fn=oc.microbatch_guard()),
-        {"clip/nonfinite_count": set()}, windows=True),
-    # The form docs/migration/pytorch.md shows (item 2): must recover.
-    "MultiSteps(skip_step(chain(clip, adam)))": Composition(
-        lambda: optax.MultiSteps(oc.skip_step(_clip_adam()), ACCUMULATE),
-        {}, skips=False),
+        {"clip/nonfinite_count": set()}, flags={"microbatch/skipped": NONFINITE},
+        windows=True),
+    # loss scaling + accumulation: the scaling wraps MultiSteps
+    "dynamic_loss_scale(MultiSteps(chain(clip, adam), microbatch_guard))": Composition(
+        lambda: oc.dynamic_loss_scale(optax.MultiSteps(
+            _clip_adam(), ACCUMULATE, should_skip_update_fn=oc.microbatch_guard())),
+        {**LOSS_SCALED, "clip/nonfinite_count": set()}, scaled=True, windows=True),
 }
 
 
@@ -227,19 +231,17 @@ def test_params_stay_finite_and_training_works(name):
 def test_every_bad_batch_is_counted_at_its_step(name):
   _, _, _, stats = soak(name)
   kinds = schedule(name)
-  counters = dict(COMPOSITIONS[name].counters)
-  if "microbatch_guard" in name:  # the guard's own counter, whatever its name
-    guard = [k for k in stats if k.endswith("nonfinite_count")
-             and not k.startswith("clip")]
-    assert guard, f"no nonfinite counter in oc.stats: {sorted(stats)}"
-    counters.update({k: NONFINITE for k in guard})
-  for key, counted in counters.items():
+  composition = COMPOSITIONS[name]
+  for key, counted in [*composition.counters.items(), *composition.flags.items()]:
     assert key in stats, f"{key} not in oc.stats: {sorted(stats)}"
-    steps_up = np.diff(np.concatenate([[0], stats[key]]))
-    expected = np.isin(kinds, list(counted)).astype(steps_up.dtype)
-    wrong = np.flatnonzero(steps_up != expected)
+    if key in composition.flags:  # set at a step for that step's batch
+      marks = stats[key].astype(np.int64)
+    else:  # a running count: steps up at the batches it counts
+      marks = np.diff(np.concatenate([[0], stats[key]]))
+    expected = np.isin(kinds, list(counted)).astype(marks.dtype)
+    wrong = np.flatnonzero(marks != expected)
     assert wrong.size == 0, (
-        f"{key} counts {int(stats[key][-1])}, {int(expected.sum())} bad batches; "
+        f"{key} marks {int(marks.sum())} steps, {int(expected.sum())} bad batches; "
         f"first wrong steps {wrong[:5].tolist()} are {kinds[wrong[:5]].tolist()}")
   if name.startswith("chain(clip"):  # every spike is clipped
     clipped = np.diff(np.concatenate([[0], stats["clip/clipped_count"]]))
