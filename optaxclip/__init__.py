@@ -29,6 +29,7 @@ from optaxclip._skip import SkipState as SkipState
 from optaxclip._skip import SkipStats as SkipStats
 from optaxclip._skip import skip_step as skip_step
 from optaxclip._stats import stats as stats
+from optaxclip._value import ValueClipState as ValueClipState
 from optaxclip._value import clip_by_value as clip_by_value
 from optaxclip._zclip import ZClipState as ZClipState
 from optaxclip._zclip import zclip as zclip
@@ -46,6 +47,7 @@ __all__ = [
     "NonFiniteGradientError",
     "SkipState",
     "SkipStats",
+    "ValueClipState",
     "ZClipState",
     "adagc",
     "adaptive_grad_clip",

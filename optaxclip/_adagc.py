@@ -111,9 +111,12 @@ def adagc(*, lambda_abs: Scalar = 1.0, lambda_rel: Scalar = 1.05, beta: Scalar =
   ``pytorch_optimizer`` implementation); ``lambda_abs=1.0`` is the usual
   global-clipping threshold, which the paper's warm-up (and its GlobalGC
   baseline) uses. ``eps=0.0`` gives the paper's ``min(1, .)`` exactly. The
-  warm-up is the first ``warmup_steps`` steps (implementations that count
-  steps from 1 and test ``step < warmup_steps``, as ``pytorch_optimizer``
-  does, warm up one step fewer).
+  warm-up is the first ``warmup_steps`` finite steps (implementations that
+  count steps from 1 and test ``step < warmup_steps``, as ``pytorch_optimizer``
+  does, warm up one step fewer). Steps with NaN or Inf gradients do not
+  count: a warm-up that saw no finite step would leave every ``gamma_i`` at
+  ``+inf`` for good (per-tensor clipping off, and ``0 * inf = NaN`` with
+  ``lambda_rel=0`` or ``beta=0``).
 
   Injected with ``optax.inject_hyperparams``, the hyperparameters are
   checked when ``init`` runs eagerly; traced (a jitted update after a change
@@ -188,7 +191,8 @@ def adagc(*, lambda_abs: Scalar = 1.0, lambda_rel: Scalar = 1.05, beta: Scalar =
     # updates, no second all-reduce, and the same overflow-safe norm.
     norm = _norms.norm_of_leaves([norms], 2, _norms.LOCAL)
     finite = jnp.isfinite(norm)
-    warming = state.count < warmup_steps
+    # Finite steps only: the thresholds need one finite norm to start from.
+    warming = state.count - state.nonfinite_count < warmup_steps
     global_factor = _scaling.clip_factor(norm, lambda_abs, eps)
     relative = jnp.asarray(lambda_rel, dtype) * state.gamma
     factors = jnp.where(warming, global_factor,

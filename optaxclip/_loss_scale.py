@@ -39,8 +39,9 @@ around the chain, leaves the optimizer's state untouched.
 Clippers must see unscaled gradients: after the loss scaling in a chain, or
 inside its ``inner``. ``loss_scale(opt_state)``, and the ``init`` of
 ``dynamic_loss_scale(inner)`` and ``skip_step``, raise a ``ValueError`` when
-an optaxclip clipper comes first (``clip_by_value`` keeps no state, so it
-cannot be seen: put it after too) or when the loss scaling sits inside
+an optaxclip clipper comes first (``clip_by_value`` too: its empty state
+marks its place; Optax's own clippers keep no state and cannot be seen, so
+put them after too) or when the loss scaling sits inside
 ``optax.MultiSteps`` or ``optax.apply_if_finite`` (which would roll the
 back-off back: the next steps would overflow again).
 
@@ -56,10 +57,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxclip import _counters, _norms, _placement, _scaling, _stats, _tree, _validation
+from optaxclip import _counters, _norms, _placement, _scaling, _stats, _validation
 from optaxclip._types import AxisName, Scalar
 
 PyTree = Any
+
+# The largest loss scale: the gradients are unscaled by 1/scale, and above
+# 2**126 that reciprocal is subnormal, which XLA:CPU and GPUs flush to zero
+# (every unscaled gradient would be 0, and no overflow would ever be seen).
+MAX_SCALE = 2.0**126
 
 
 class LossScaleState(NamedTuple):
@@ -82,7 +88,9 @@ class LossScaleState(NamedTuple):
     """The state before the first step, with the loss scale ``scale``."""
     # A copy: the state must not alias the user's (or an injected) array,
     # or donating the state would delete it, or donate one buffer twice.
-    return cls(scale=jnp.array(scale, jnp.float32, copy=True),
+    # At most MAX_SCALE (a traced initial_scale is clamped to it).
+    return cls(scale=jnp.minimum(jnp.array(scale, jnp.float32, copy=True),
+                                 MAX_SCALE),
                good_steps=_counters.zero(), count=_counters.zero(),
                overflow_count=_counters.zero())
 
@@ -163,14 +171,13 @@ def unscale(updates: PyTree, state: LossScaleState, *,
   # Judged after unscaling: that is what the optimizer would see.
   finite = _norms.all_finite(unscaled, axis_name=axis_name)
   # Zeros rather than Inf/NaN: nothing after the loss scaling sees them.
-  return _tree.map_clippable(
-      lambda u: jnp.where(finite, u, jnp.zeros_like(u)), unscaled), finite
+  return _scaling.zero_unless(finite, unscaled), finite
 
 
 def adjust(state: LossScaleState, finite: jax.Array, *, period: Scalar,
            factor: Scalar, min_scale: Scalar) -> LossScaleState:
   """The state after one step: back off on an overflow, grow after
-  ``period`` finite steps in a row (unless that would overflow float32)."""
+  ``period`` finite steps in a row (never above ``MAX_SCALE``)."""
   scale = state.scale
   factor = jnp.asarray(factor, jnp.float32)
   grown = scale * factor
@@ -178,7 +185,7 @@ def adjust(state: LossScaleState, finite: jax.Array, *, period: Scalar,
   increment = _counters.increment
   new_scale = jnp.where(
       finite,
-      jnp.where(grow & jnp.isfinite(grown), grown, scale),
+      jnp.where(grow & (grown <= MAX_SCALE), grown, scale),
       jnp.maximum(jnp.asarray(min_scale, jnp.float32), scale / factor))
   return LossScaleState(
       scale=new_scale.astype(jnp.float32),
@@ -228,8 +235,9 @@ def dynamic_loss_scale(
   ``period`` are clamped to at least 1 (NaN as 1).
 
   Args:
-    initial_scale: the first loss scale (a number > 0). Powers of two keep
-      the unscaling exact. An optax transformation here is taken as
+    initial_scale: the first loss scale (a number > 0, at most 2**126, the
+      largest scale the growth reaches too). Powers of two keep the
+      unscaling exact. An optax transformation here is taken as
       ``inner`` (the scale is then 2**15).
     period: finite steps in a row after which the scale grows (an int >= 1).
     factor: what the scale is multiplied (grow) or divided (overflow) by (a
@@ -281,6 +289,12 @@ def dynamic_loss_scale(
   factor = _validation.check_at_least(fn, "factor", factor, 1)
   lowest: Any = _validation.check_positive(fn, "min_scale", min_scale,
                                            traced=1.0)
+  for arg, value in (("initial_scale", first), ("min_scale", lowest)):
+    if not _validation.is_traced(value) and float(value) > MAX_SCALE:
+      raise ValueError(
+          f"`{fn}({arg}=...)` must be at most 2**126 (above it 1/scale is "
+          f"subnormal and flushes to zero, zeroing every gradient), got "
+          f"{value!r}")
   if not any(map(_validation.is_traced, (first, lowest))) \
       and float(lowest) > float(first):
     raise ValueError(
@@ -310,8 +324,7 @@ def dynamic_loss_scale(
     new_updates, new_inner = wrapped.update(unscaled, state.inner_state,
                                             params, **extra_args)
     # Selected on the device (no host sync): an overflow drops the step.
-    new_updates = jax.tree.map(
-        lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates)
+    new_updates = _scaling.zero_unless(finite, new_updates)
     new_inner = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
                              new_inner, state.inner_state)
     return new_updates, LossScaleWrapperState(scale_state, new_inner)

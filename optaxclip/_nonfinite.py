@@ -62,9 +62,3 @@ def raise_if_nonfinite(fn: str, tree: PyTree, norm: jax.Array) -> None:
   report = functools.partial(_raise_if_bad, fn, paths)
   lax.cond(jnp.isfinite(norm), lambda: None,
            lambda: jax.debug.callback(report, norm, leaf_ok()))
-
-
-def zero_if_nonfinite(tree: PyTree, finite: jax.Array) -> PyTree:
-  """``tree``, with every clippable leaf replaced by zeros unless ``finite``."""
-  return _tree.map_clippable(lambda x: jnp.where(finite, x, jnp.zeros_like(x)),
-                             tree)

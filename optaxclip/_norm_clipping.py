@@ -20,7 +20,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxclip import _counters, _nonfinite, _norms, _running_stats, _stats, _tree, _validation
+from optaxclip import (
+    _counters,
+    _nonfinite,
+    _norms,
+    _running_stats,
+    _scaling,
+    _stats,
+    _tree,
+    _validation,
+)
 
 # Old home of clip_factor and scale_leaves, for modules not yet moved to _scaling.
 from optaxclip._scaling import clip_factor as clip_factor
@@ -201,7 +210,7 @@ def _norm_clipper(fn: str, max_norm, p, eps, axis_name, specs, nonfinite, *,
     if nonfinite == "raise":
       _nonfinite.raise_if_nonfinite(fn, updates, norm)
     elif nonfinite == "zero":
-      clipped = _nonfinite.zero_if_nonfinite(clipped, finite)
+      clipped = _scaling.zero_unless(finite, clipped)
       factor = jnp.where(finite, factor, 0)
     new_state = ClipState(
         norm=norm.astype(state.norm.dtype), scale=factor.astype(state.scale.dtype),

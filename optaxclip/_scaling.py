@@ -39,6 +39,16 @@ def clip_factor(norm: jax.Array, max_norm: jax.typing.ArrayLike,
   return jnp.where(unclipped, 1, max_norm / safe)
 
 
+def zero_unless(keep: jax.Array, tree: PyTree) -> PyTree:
+  """``tree``, with every clippable leaf replaced by zeros unless ``keep``.
+
+  Integer, boolean and other non-clippable leaves pass through untouched,
+  as in every transform (a step counter must not be zeroed with the step).
+  """
+  return _tree.map_clippable(lambda x: jnp.where(keep, x, jnp.zeros_like(x)),
+                             tree)
+
+
 def _scale_leaf(x: jax.Array, factor: jax.Array) -> jax.Array:
   scaled = x * factor
   # Half-precision leaves are scaled in float32 and rounded once. (The check

@@ -29,7 +29,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxclip import _counters, _norms, _placement, _running_stats, _stats, _tree, _validation
+from optaxclip import (
+    _counters,
+    _norms,
+    _placement,
+    _running_stats,
+    _scaling,
+    _stats,
+    _tree,
+    _validation,
+)
 from optaxclip._types import AxisName, Ord, Scalar
 
 PyTree = Any
@@ -323,8 +332,7 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
 
     new_updates, new_inner = inner.update(updates, state.inner_state, params,
                                           **extra_args)
-    new_updates = jax.tree.map(
-        lambda u: jnp.where(skip, jnp.zeros_like(u), u), new_updates)
+    new_updates = _scaling.zero_unless(~skip, new_updates)
     new_inner = _keep_unless_loss_scale(skip, new_inner, state.inner_state)
     return new_updates, SkipState(stats=new_stats, inner_state=new_inner)
 

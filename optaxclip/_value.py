@@ -1,12 +1,12 @@
 """Element-wise clipping to a range: ``clip_grad_value_``, ``tf.clip_by_value``."""
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import optax
 
-from optaxclip import _tree, _validation
+from optaxclip import _stats, _tree, _validation
 from optaxclip._types import Scalar
 
 PyTree = Any
@@ -96,6 +96,18 @@ def clip_by_value_fn(tree: PyTree, max_value: Scalar,
   return _clip_tree("clip_by_value", tree, low, high)
 
 
+class ValueClipState(NamedTuple):
+  """State of ``clip_by_value``: no fields.
+
+  It holds nothing, but it marks the clipper's place in a chained state, so
+  that ``dynamic_loss_scale`` can tell a value clip placed before it (which
+  would clip the scaled gradients) from one placed after it.
+  """
+
+
+_stats.register(ValueClipState, "clip_value")
+
+
 def clip_by_value(max_value: Scalar,
                   min_value: Scalar | None = None) -> optax.GradientTransformation:
   """Clips every element of the updates to ``[min_value, max_value]``.
@@ -112,8 +124,9 @@ def clip_by_value(max_value: Scalar,
       element to 0.
 
   Returns:
-    An ``optax.GradientTransformation`` with an empty state; like
-    ``optax.clip``, its ``update`` accepts any state (``None`` too).
+    An ``optax.GradientTransformation`` whose state is an empty
+    ``ValueClipState``; like ``optax.clip``, its ``update`` accepts any
+    state (``None`` too).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -128,5 +141,5 @@ def clip_by_value(max_value: Scalar,
     del params  # any state is accepted and returned, as optax.clip does
     return _clip_tree("clip_by_value", updates, low, high), state
 
-  return optax.GradientTransformation(
-      lambda params: optax.EmptyState(), update_fn)
+  return optax.GradientTransformation(lambda params: ValueClipState(),
+                                     update_fn)

@@ -217,3 +217,21 @@ def test_gradient_is_finite_at_zero_and_after_a_constant_history():
   tx = adagc(warmup_steps=2, eps=1e-6)
   for history, grads in gradients_through_updates(tx).items():
     assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads)), history
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"lambda_rel": 0.0}, {"beta": 0.0}])
+def test_nonfinite_warm_up_steps_do_not_count(kwargs):
+  """A warm-up that saw only NaN steps left every threshold at +inf: the
+  per-tensor clip was off for good, or 0 * inf made the update NaN."""
+  tx = adagc(warmup_steps=1, **kwargs)
+  params = {"w": jnp.ones(3), "b": jnp.ones(2)}
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  _, state = update({"w": jnp.full(3, jnp.nan), "b": jnp.ones(2)}, state)
+  small = {"w": jnp.full(3, 0.1), "b": jnp.full(2, 0.1)}
+  _, state = update(small, state)  # the warm-up's one finite step
+  assert np.all(np.isfinite(state.gamma))
+  big = {"w": jnp.full(3, 10.0), "b": jnp.full(2, 0.1)}
+  updates, state = update(big, state)
+  assert all(np.all(np.isfinite(u)) for u in jax.tree.leaves(updates))
+  assert float(jnp.linalg.norm(updates["w"])) < 1.0  # the spiking tensor is cut

@@ -258,6 +258,9 @@ BAD_ARGUMENTS = [
         (0.0, ValueError, r" must be a finite number > 0, got 0.0"),
         (2.0**16, ValueError, r" must be <= initial_scale, got min_scale=65536.0 > "
          r"initial_scale=32768.0")]),
+    *_rows(["dynamic_loss_scale"], "initial_scale", [
+        (2.0**127, ValueError, r" must be at most 2\*\*126 \(above it 1/scale is "
+         r"subnormal")]),
     *_rows(["dynamic_loss_scale"], "inner", [
         ("adamw", TypeError, r" must be an optax GradientTransformation or None, "
          r"got 'adamw'")]),

@@ -73,12 +73,12 @@ def test_schedule_matches_the_reference(initial, period, factor, min_scale):
   assert all(np.all(np.asarray(u)[overflows] == 0) for u in jax.tree.leaves(unscaled))
 
 
-def test_growth_stops_below_float32_overflow():
-  tx = dynamic_loss_scale(2.0**127, period=1)
+def test_growth_stops_at_the_largest_scale():
+  tx = dynamic_loss_scale(2.0**126, period=1)
   state = tx.init(BASE)
   for _ in range(3):
     _, state = jax.jit(tx.update)(jax.tree.map(jnp.zeros_like, BASE), state)
-  assert float(state.scale) == 2.0**127 and int(state.good_steps) == 0
+  assert float(state.scale) == 2.0**126 and int(state.good_steps) == 0
 
 
 def test_checkpoint_and_jit_round_trip_keep_the_schedule():
@@ -345,7 +345,7 @@ def test_apply_if_finite_around_the_loss_scaling_is_an_error():
 # --------------------------------------------------------------------------
 # Clippers must see unscaled gradients.
 
-STATEFUL_CLIPPERS = [n for n in CLIPPERS if n != "clip_by_value"]
+STATEFUL_CLIPPERS = list(CLIPPERS)  # clip_by_value too: its state is empty
 WRONG_ORDERS = {
     "chain(clip, loss_scale, sgd)": lambda clip: optax.chain(
         clip, dynamic_loss_scale(), optax.sgd(1.0)),
@@ -562,3 +562,18 @@ def test_state_does_not_alias_the_users_initial_scale(inner):
   for _ in range(2):
     _, state = jax.jit(tx.update, donate_argnums=1)(grads, state, PARAMS)
   assert float(loss_scale(state)) == 16.0
+
+
+def test_scale_never_grows_past_a_normal_reciprocal():
+  """Above 2**126, 1/scale is subnormal and flushed to zero: every unscaled
+  gradient was 0 and no overflow was ever counted."""
+  tx = dynamic_loss_scale(2.0**120, period=1)
+  state = tx.init(PARAMS)
+  update = jax.jit(tx.update)
+  for _ in range(10):
+    _, state = update(jax.tree.map(jnp.zeros_like, PARAMS), state)
+  assert float(loss_scale(state)) == 2.0**126
+  grads = jax.tree.map(lambda p: jnp.full_like(p, 2.0**126), PARAMS)
+  unscaled, state = update(grads, state)
+  for leaf in jax.tree.leaves(unscaled):
+    np.testing.assert_array_equal(leaf, 1.0)

@@ -342,3 +342,16 @@ def test_step_is_the_wrappers_decision_and_statistics():
     assert bool(skip) == (not np.any(updates["w"]))
     for got, want in zip(state.stats, expected):
       np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: skip_step(optax.identity(), max_norm=1.0),
+    lambda: oc.dynamic_loss_scale(2.0, inner=optax.identity()),
+])
+def test_skipped_step_leaves_integer_leaves_untouched(make):
+  """A skipped (or overflowed) step zeroed the step counters in the tree."""
+  tx = make()
+  grads = {"w": jnp.array([5.0, jnp.inf]), "step": jnp.array([3, 7])}
+  updates, _ = tx.update(grads, tx.init(grads), grads)
+  np.testing.assert_array_equal(updates["step"], [3, 7])
+  np.testing.assert_array_equal(updates["w"], [0.0, 0.0])
