@@ -7,9 +7,7 @@ The 8 host CPU devices come from ``conftest.py``; several processes are in
 one step that computes every function and transform at once.
 """
 
-import contextlib
 import functools
-import io
 import math
 import os
 import pathlib
@@ -792,30 +790,13 @@ def test_gspmd_all_reduces_40_leaves():
 # --------------------------------------------------------------------------
 # Documentation snippets
 
-README = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-SECTION = README[README.index("## Distributed training"):]
-SECTION = SECTION[:SECTION.index("\n## ", 1)]
-BLOCKS = re.findall(r"```python\n(.*?)```", SECTION, re.S)
+PAGE = (pathlib.Path(__file__).parent.parent / "docs" / "distributed.md").read_text()
+BLOCKS = re.findall(r"```python\n(.*?)```", PAGE, re.S)
 
 
 def test_distributed_docs_have_python_blocks():
-  assert "axis_name" in SECTION and "pmean" in SECTION
+  """The page shows sharded jit, shard_map with specs, and the pmean trap
+  (its blocks run, with their asserts, on 1 and 8 devices in test_docs)."""
+  assert "axis_name" in PAGE and "pmean" in PAGE
   assert len(BLOCKS) >= 3
 
-
-# What each block prints, as the comments there say, for n devices.
-PRINTED = {0: lambda n: [0.5 * math.sqrt(68 * n)],
-           1: lambda n: [math.sqrt(6 * n * 0.25 + 3 * 4)],
-           2: lambda n: [math.sqrt(4 * n)] * n}
-
-
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_distributed_docs_block_runs(index):
-  out = io.StringIO()
-  with contextlib.redirect_stdout(out):
-    exec(compile(BLOCKS[index], f"README.md distributed[block {index}]", "exec"), {})
-  if index in PRINTED:
-    printed = [float(v) for v in re.findall(r"[-+]?\d+\.?\d*(?:e[-+]?\d+)?",
-                                            out.getvalue())]
-    np.testing.assert_allclose(printed, PRINTED[index](jax.device_count()),
-                               rtol=1e-6)
