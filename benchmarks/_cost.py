@@ -31,7 +31,7 @@ def bytes_accessed(fn: Callable[..., Any], *args: Any) -> float:
   if _without_rescue and " conditional(" in compiled.as_text():  # the HLO op
     raise NoBuildWithoutRescue(
         "benchmarks/_cost.py: a program still has a conditional after patching "
-        "`_norms._rescued_square_root`: the rescue is built elsewhere now; "
+        "`_norms.BUILD_RESCUE`: the rescue is built elsewhere now; "
         "update without_rescue_branch()")
   analysis = compiled.cost_analysis()
   if isinstance(analysis, list):  # older jax: one dict per computation
@@ -83,19 +83,18 @@ def without_rescue_branch() -> None:
   Cost analysis counts both sides of the norm's `lax.cond`, though the
   rescue runs only when the plain sum of squares overflows or underflows; a
   build without it measures the rescue's share of the traffic. A stopgap
-  through the private `_norms._rescued_square_root` until the library has a
-  hook for it: every program compiled afterwards is checked to have no
+  through the library's `_norms.BUILD_RESCUE` switch: every program compiled
+  afterwards is checked to have no
   conditional left (`bytes_accessed` raises otherwise). Call it only in a
   fresh process: nothing else should run with a patched library.
   """
   from optaxclip import _norms
-  if not hasattr(_norms, "_rescued_square_root") or not hasattr(_norms, "safe_root"):
+  if not hasattr(_norms, "BUILD_RESCUE"):
     raise NoBuildWithoutRescue(
-        "benchmarks/_cost.py: optaxclip._norms no longer has `_rescued_square_root` "
-        "(or `safe_root`): the build without the rescue branch cannot be made; "
-        "update without_rescue_branch() to the library's new hook")
-  # The branch's untaken side: the plain sums, with the rescue scale 1.
-  _norms._rescued_square_root = lambda sums, floor, resum: _norms.safe_root(sums, 2)
+        "benchmarks/_cost.py: optaxclip._norms no longer has `BUILD_RESCUE`: "
+        "the build without the rescue branch cannot be made; update "
+        "without_rescue_branch() to the library's new hook")
+  _norms.BUILD_RESCUE = False  # the branch's untaken side: the plain sums
   jax.clear_caches()  # the norms are jit-cached: none traced before may stay
   global _without_rescue
   _without_rescue = True

@@ -61,6 +61,22 @@ def _batch_size(fn: str, leaves: list[jax.Array]) -> int:
   return size
 
 
+def _per_example_norms(norm_fn, leaves: list[jax.Array], p: Any,
+                       reduction: _norms.Reduction) -> jax.Array:
+  """``norm_fn`` of each example (row), under ``vmap``.
+
+  The rescue of unusual magnitudes is decided once for the whole batch
+  (``Reduction.batch_axis``), so it runs only when some example needs it:
+  decided per example, ``vmap`` would run it for every example. Under
+  ``shard_map`` (``axis_name``) JAX allows no collective over the ``vmap``
+  axis, and the decision stays per example.
+  """
+  if not reduction.axis_names:
+    reduction = reduction._replace(batch_axis=_norms.EXAMPLES)
+  return jax.vmap(lambda rows: norm_fn(rows, p, reduction),
+                  axis_name=_norms.EXAMPLES)(leaves)
+
+
 def _factors(norms: jax.Array, max_norm: Any) -> jax.Array:
   """Per-example factors; an example with a NaN norm is not clipped.
 
@@ -150,7 +166,7 @@ def per_example_clip_by_global_norm(grads: PyTree, max_norm: Any, *,
   if not leaves:
     return PerExampleClip(grads, jnp.zeros([], jnp.int32),
                           jnp.zeros([batch], jnp.float32))
-  norms = jax.vmap(lambda rows: _norms.norm_of_leaves(rows, p, reduction))(leaves)
+  norms = _per_example_norms(_norms.norm_of_leaves, leaves, p, reduction)
   factors = _factors(norms, max_norm)
   summed = _sum_clipped(grads, lambda index: factors)
   num_clipped = jnp.sum(factors < 1, dtype=jnp.int32)
@@ -216,7 +232,7 @@ def per_example_clip_by_layer_norm(grads: PyTree, max_norm: Any, *,
   else:
     total = sum(x[0].size for x in leaves)
     thresholds = [max_norm * (x[0].size / total) ** 0.5 for x in leaves]
-  norms = jax.vmap(lambda rows: _norms.leaf_norms(rows, 2.0, reduction))(leaves)
+  norms = _per_example_norms(_norms.leaf_norms, leaves, 2.0, reduction)
   factors = [_factors(norms[:, k], c) for k, c in enumerate(thresholds)]
   summed = _sum_clipped(grads, lambda index: factors[index])
   counts = [jnp.sum(f < 1, dtype=jnp.int32) for f in factors]

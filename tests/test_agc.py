@@ -242,3 +242,28 @@ def test_stats_report_the_clipped_units():
       "clipped_fraction", "clipped_units", "scale", "count", "clipped_count",
       "nonfinite_count", "clip_rate")}
   assert int(found["agc/count"]) == 1 and int(found["agc/clipped_units"]) > 0
+
+
+# Issue 11 (items 4, 7, 10) for the unit norms, which have their own rescue.
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nonfinite_entry_reaches_its_unit_only(bad):
+  params = tree_of({"linear": (4, 3)}, seed=20)
+  grads = tree_of({"linear": (4, 3)}, seed=21, scale=3.0)
+  grads["linear"] = grads["linear"].at[1, 2].set(bad)  # unit (column) 2
+  got = np.asarray(_agc_fn(grads, params, CLIPPING)["linear"], np.float64)
+  assert np.all(np.isnan(got[:, 2]) | (got[:, 2] == 0))
+  assert np.isnan(got[1, 2])  # the unit's norm is NaN/Inf: as optax
+  expected, _ = np_agc({"linear": grads["linear"][:, :2]},
+                       {"linear": params["linear"][:, :2]}, CLIPPING)
+  np.testing.assert_allclose(got[:, :2], expected[0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [0.0, 1e-30, 1.0, 1e20, 1e37])
+def test_gradients_through_the_unit_norms_are_finite(scale):
+  # The overflow branch must not leak NaN into the gradient; at 1e37 a
+  # unit's norm is still a float32.
+  params = tree_of({"linear": (4, 3)}, seed=22)
+  grads = tree_of({"linear": (4, 3)}, seed=23, scale=scale)
+  loss = lambda g, p: jnp.sum(adaptive_grad_clip_fn(g, p, CLIPPING)["linear"])
+  for gradient in jax.jit(jax.grad(loss, argnums=(0, 1)))(grads, params):
+    assert np.all(np.isfinite(gradient["linear"])), gradient

@@ -1,5 +1,6 @@
 """The numerical contract of the norm: orders, dtypes, range, shape of trees."""
 
+import functools
 import math
 
 import jax
@@ -253,3 +254,336 @@ def test_program_grows_by_groups_not_by_leaves(count):
   assert count_ops(norm, tree, "reduce") == 2 * len(groups)
   clip = lambda t: F.clip_by_global_norm(t, 1.0)
   assert count_ops(clip, tree, "reduce") == 2 * len(groups)
+
+
+# --------------------------------------------------------------------------
+# Issue 11: NaN/Inf for every order (item 4), gradients (item 7), subnormal
+# entries (item 10).
+# --------------------------------------------------------------------------
+
+GRID_ORDERS = [0.3, 0.5, 1, 1.5, 2, 3, 4, 10, math.inf]
+BAD_VALUES = [math.nan, math.inf, -math.inf]
+
+
+def scaled_numpy_norms(leaves, ord, *, total):
+  """float64 norms of the stored values, scaled by the largest |x| so that
+  no power overflows or underflows (orders up to 1e5, values to 3e38)."""
+  flats = [np.abs(np.asarray(x, np.complex128)).ravel() for x in leaves]
+  if total:
+    flats = [np.concatenate(flats)]
+  out = []
+  for flat in flats:
+    peak = flat.max(initial=0.0)
+    if ord == math.inf or peak == 0:
+      out.append(peak)
+    else:
+      out.append(peak * np.sum((flat / peak) ** ord) ** (1 / ord))
+  return np.asarray(out if not total else out[0])
+
+
+TRACED = {True: jax.jit(lambda t, p: oc._norms.norm_of_leaves(t, p)),
+          False: jax.jit(lambda t, p: oc._norms.leaf_norms(t, p))}
+
+
+def norms_of(leaves, ord, *, total, traced):
+  """The library's norms, with the order static or traced (as injected)."""
+  if traced:
+    return TRACED[total](leaves, jnp.float32(ord))
+  fn = oc._norms.norm_of_leaves if total else oc._norms.leaf_norms
+  return fn(leaves, ord)
+
+
+def assert_nonfinite_like(norm, bad):
+  if math.isnan(bad):
+    assert np.isnan(norm), norm
+  else:
+    assert np.isposinf(norm), norm
+
+
+def leaves_with(bad, where, other):
+  """An f32, a bf16 and an fp16 leaf; ``bad`` in leaf ``where``, beside
+  ``other`` (ordinary, or a magnitude that needs the rescue)."""
+  dtypes = [jnp.float32, jnp.bfloat16, jnp.float16]
+  big, small = {1e30: (1e30, 6e4), 1e-30: (1e-30, 1e-7)}.get(other,
+                                                           (other, other))
+  return [jnp.asarray([big if dtype != jnp.float16 else small,
+                       bad if k == where else 1.0, -2.0], dtype)
+          for k, dtype in enumerate(dtypes)]
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["static", "traced"])
+@pytest.mark.parametrize("total", [True, False], ids=["global", "per_leaf"])
+@pytest.mark.parametrize("ord", GRID_ORDERS)
+def test_nan_and_inf_propagate_for_every_order(ord, total, traced):
+  # 0 < p < 1 and traced orders used to mask `|x| > 0`, which NaN fails:
+  # global_norm([1.0, nan], ord=0.5) was 1.0. The leaves are float32,
+  # bfloat16 and float16; the bad value sits in each in turn, beside
+  # ordinary values or ones that take the rescue.
+  for where in range(3):
+    for other in (1.0, 1e30, 1e-30):
+      for bad in BAD_VALUES:
+        leaves = leaves_with(bad, where, other)
+        norms = np.asarray(norms_of(leaves, ord, total=total, traced=traced),
+                           np.float64)
+        assert_nonfinite_like(norms if total else norms[where], bad)
+        if not total:  # the other leaves keep their finite norms
+          for k in {0, 1, 2} - {where}:
+            np.testing.assert_allclose(
+                norms[k], scaled_numpy_norms(leaves[k:k + 1], ord, total=True),
+                rtol=1e-5)
+      leaves = leaves_with(math.inf, where, other)
+      leaves[where] = leaves[where].at[2].set(math.nan)
+      norms = norms_of(leaves, ord, total=total, traced=traced)
+      assert np.isnan(norms if total else norms[where])
+
+
+@pytest.mark.parametrize("ord", GRID_ORDERS)
+def test_nan_propagates_through_every_norm_path(ord):
+  grads = {"w": jnp.array([[1.0, 2.0], [jnp.nan, 0.5]]), "b": jnp.ones(2)}
+  assert np.isnan(F.global_norm(grads, ord))
+  clipped, norm = F.clip_by_global_norm(grads, 1.0, ord=ord)
+  assert np.isnan(norm) and np.all(np.isnan(clipped["b"]))
+  assert np.all(np.isnan(F.clip_by_norm(grads, 1.0, ord=ord)["w"]))
+  examples = F.per_example_clip_by_global_norm(grads["w"], 1.0, ord=ord)
+  assert np.isnan(examples.norms[1]) and np.isfinite(examples.norms[0])
+  tx = optax.inject_hyperparams(oc.clip_by_global_norm)(max_norm=1.0, ord=ord)
+  _, state = jax.jit(tx.update)(grads, tx.init(grads))
+  assert np.isnan(state.inner_state.norm)
+  assert int(state.inner_state.nonfinite_count) == 1
+
+
+@pytest.mark.parametrize("ord", [0.3, 0.5, 0.9])
+def test_nonfinite_guards_trigger_for_fractional_ord(ord):
+  grads = {"w": jnp.array([1.0, jnp.nan]), "b": jnp.ones(2)}
+  tx = oc.clip_grad_norm(1.0, norm_type=ord, error_if_nonfinite=True)
+  with pytest.raises(RuntimeError, match=r"\['w'\]"):
+    jax.block_until_ready(jax.jit(tx.update)(grads, tx.init(grads)))
+  tx = oc.clip_by_global_norm(1.0, ord=ord, nonfinite="raise")
+  with pytest.raises(RuntimeError, match=r"\['w'\]"):
+    jax.block_until_ready(jax.jit(tx.update)(grads, tx.init(grads)))
+  tx = oc.clip_by_global_norm(1.0, ord=ord, nonfinite="zero")
+  out, state = jax.jit(tx.update)(grads, tx.init(grads))
+  assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(out))
+  assert int(state.nonfinite_count) == 1
+
+
+def analytic_gradient(x, ord, norm):
+  """d norm / dx in float64: sign(x) (|x| / norm) ** (ord - 1); for inf,
+  sign(x) at the largest |x| (shared by ties); 0 where x = 0."""
+  x = np.asarray(x, np.float64)
+  a = np.abs(x)
+  if ord == math.inf:
+    peak = a == a.max()
+    return np.sign(x) * peak / peak.sum()
+  with np.errstate(divide="ignore"):
+    weights = np.where(a > 0, (a / norm) ** (ord - 1), 0.0)
+  return np.sign(x) * weights
+
+
+GRADIENT_MAGNITUDES = [0.0, 1e-40, 1e-30, 1e-20, 1.0, 6e4, 1e15, 1e20, 1e30,
+                       1e38]
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["static", "traced"])
+@pytest.mark.parametrize("ord", GRID_ORDERS)
+def test_gradient_is_finite_and_right_at_every_magnitude(ord, traced):
+  # Integer orders >= 3 used to give NaN at large entries (ord=3 at 1e20,
+  # ord=4 at 1e15, ord=10 at 6e4): the overflowed plain sum's infinite
+  # derivative met the zero cotangent of the branch not taken.
+  shape = np.array([0.3, -1.0, 2.0, -0.7, 0.0, 1.5])
+  fn = oc._norms.norm_of_leaves
+  if traced:
+    grad = functools.partial(jax.jit(jax.grad(lambda t, p: fn(t, p))),
+                             p=jnp.float32(ord))
+  else:
+    grad = jax.jit(jax.grad(lambda t: fn(t, ord)))
+  for magnitude in GRADIENT_MAGNITUDES:
+    x = np.asarray(shape * magnitude, np.float32)
+    norm = scaled_numpy_norms([x], ord, total=True)
+    if norm > np.finfo(np.float32).max:
+      continue  # the norm itself is not a float32
+    g = np.asarray(grad([jnp.asarray(x)])[0])
+    assert np.all(np.isfinite(g)), (magnitude, g)
+    if magnitude == 0 or (ord == math.inf and fn([jnp.asarray(x)], ord) == 0):
+      # (The inf-norm of subnormal entries is 0 where they are flushed.)
+      np.testing.assert_array_equal(g, np.zeros_like(g))
+      continue
+    expected = analytic_gradient(x, ord, norm)
+    np.testing.assert_allclose(g, expected, rtol=2e-5,
+                               atol=1e-6 * np.abs(expected).max(),
+                               err_msg=f"magnitude {magnitude}")
+
+
+@pytest.mark.parametrize("ord", [0.3, 1.5, 3.0, 7.5])
+def test_derivative_by_a_traced_order(ord):
+  # d norm / d p = norm / p * sum r**p log r, r = |x| / norm.
+  x = np.asarray([0.3, -1.0, 2.0, 0.0, 1e-30], np.float32)
+  norm = lambda q: scaled_numpy_norms([x], q, total=True)  # noqa: E731
+  expected = (norm(ord + 1e-6) - norm(ord - 1e-6)) / 2e-6
+  got = jax.jit(jax.grad(lambda p: oc._norms.norm_of_leaves(
+      [jnp.asarray(x)], p)))(jnp.float32(ord))
+  np.testing.assert_allclose(got, expected, rtol=1e-4)
+
+
+@pytest.mark.parametrize("ord", [0.5, 1, 2, 3, 10, math.inf])
+def test_per_leaf_and_per_example_gradients_are_right(ord):
+  leaves = [jnp.asarray([1e20, -3e19, 0.0]), jnp.asarray([[2.0, -1.0]]),
+            jnp.asarray([1e-30, 3e-30])]
+  total_grad = jax.grad(lambda t: jnp.sum(oc._norms.leaf_norms(t, ord)))(leaves)
+  for x, g in zip(leaves, total_grad):
+    norm = scaled_numpy_norms([x], ord, total=True)
+    np.testing.assert_allclose(g, analytic_gradient(x, ord, norm).reshape(
+        x.shape), rtol=2e-5, atol=1e-7)
+  rows = jnp.asarray([[1e20, -3e19], [2.0, -1.0], [0.0, 0.0]])
+  grad = jax.grad(lambda r: jnp.sum(
+      F.per_example_clip_by_global_norm([r], 1.0, ord=ord).norms))(rows)
+  for x, g in zip(np.asarray(rows), np.asarray(grad)):
+    norm = scaled_numpy_norms([x], ord, total=True)
+    expected = analytic_gradient(x, ord, norm) if norm else np.zeros(2)
+    np.testing.assert_allclose(g, expected, rtol=2e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("ord", [1, 2, 3, 0.5])
+def test_gradient_of_complex_leaves_matches_jax(ord):
+  z = jnp.asarray([3 + 4j, -1j, 0j, 2e20 - 1e20j], jnp.complex64)
+  ours = jax.grad(lambda z: F.global_norm([z], ord))(z)
+  with jax.enable_x64(True):  # JAX's own derivative, where nothing overflows
+    wide = jnp.asarray(z, jnp.complex128)
+    reference = jax.grad(lambda z: jnp.sum(jnp.abs(z) ** ord) ** (1 / ord))(
+        wide.at[2].set(1e-300))  # |0| has no derivative; our convention is 0
+    reference = np.asarray(reference.at[2].set(0))
+  np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("ord", GRID_ORDERS)
+@pytest.mark.parametrize("traced", [False, True], ids=["static", "traced"])
+def test_gradient_through_every_clipper_is_finite_at_zero(ord, traced):
+  zeros = {"a": jnp.zeros(3), "b": jnp.zeros((2, 2), jnp.bfloat16)}
+  p = jnp.float32(ord) if traced else ord
+  losses = {
+      "clip_by_global_norm": lambda t, p: jnp.sum(
+          F.clip_by_global_norm(t, 1.0, ord=p)[0]["a"]),
+      "clip_by_norm": lambda t, p: jnp.sum(F.clip_by_norm(t, 1.0, ord=p)["a"]),
+      "global_norm": lambda t, p: F.global_norm(t, p),
+      "per_example": lambda t, p: jnp.sum(F.per_example_clip_by_global_norm(
+          t["b"], 1.0, ord=p).summed),
+  }
+  for name, loss in losses.items():
+    grads = jax.jit(jax.grad(loss))(zeros, p)
+    assert all(np.all(np.isfinite(np.asarray(g, np.float32)))
+               for g in jax.tree.leaves(grads)), name
+  tx = optax.inject_hyperparams(oc.clip_by_global_norm)(max_norm=1.0, ord=ord)
+  state = tx.init(zeros)
+  grads = jax.grad(lambda t: jnp.sum(tx.update(t, state)[0]["a"]))(zeros)
+  assert all(np.all(np.isfinite(np.asarray(g, np.float32)))
+             for g in jax.tree.leaves(grads))
+
+
+SUBNORMAL_ORDERS = [0.5, 1, 2, 3]
+
+
+def subnormal_cases(dtype):
+  """Leaves of subnormal values of ``dtype`` (as read by numpy, exactly)."""
+  tiny = float(jnp.finfo(dtype).tiny)
+  return [
+      [jnp.full((10,), tiny / 1e2, dtype)],  # all subnormal
+      [jnp.asarray([tiny / 3, -tiny / 7, 0.0], dtype),
+       jnp.full((4,), tiny / 50, dtype)],
+      # A normal entry beside subnormal ones: for p < 1 they still count.
+      [jnp.asarray([tiny * 4, tiny / 2, tiny / 2, tiny / 2], dtype)],
+  ]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16,
+                                   jnp.complex64])
+@pytest.mark.parametrize("ord", SUBNORMAL_ORDERS)
+def test_subnormal_entries_count(dtype, ord):
+  # global_norm([1e-40] * 10) was 0: XLA:CPU reads subnormals as 0.
+  real = jnp.float32 if dtype == jnp.complex64 else dtype
+  leaves = [x for case in subnormal_cases(real) for x in case]
+  if dtype == jnp.complex64:  # built by numpy, which keeps subnormals
+    leaves = [jnp.asarray((np.asarray(x) * (0.6 - 0.8j)).astype(np.complex64))
+              for x in leaves]
+  for tree, total in ((leaves, False), (leaves, True), (leaves[:1], True)):
+    for traced in (False, True):
+      norms = np.asarray(norms_of(tree, ord, total=total, traced=traced),
+                         np.float64)
+      expected = scaled_numpy_norms(tree, ord, total=total)
+      assert np.all(norms > 0), norms
+      # The result may itself be subnormal: exact to its last bit.
+      np.testing.assert_allclose(norms, expected, rtol=1e-5, atol=2.0 ** -148)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.complex64])
+def test_infinity_norm_of_subnormal_entries(dtype):
+  # The documented limit: a maximum is exact, but where subnormals are
+  # flushed (XLA:CPU) the largest of entries all below the normal range
+  # reads as 0, as it would in any later arithmetic.
+  real = jnp.float32 if dtype == jnp.complex64 else dtype
+  tiny = float(jnp.finfo(real).tiny)
+  for values, flushable in (([tiny / 3, -tiny / 7], True),
+                            ([tiny * 2, tiny / 3], False)):
+    leaf = jnp.asarray(np.asarray(values, np.float64).astype(
+        np.dtype(dtype)) * (1j if dtype == jnp.complex64 else 1))
+    norm = F.global_norm([leaf], "inf")
+    expected = scaled_numpy_norms([leaf], math.inf, total=True)
+    assert norm == np.float32(expected) or (flushable and norm == 0), norm
+
+
+def test_subnormal_entries_count_under_x64():
+  with jax.enable_x64(True):
+    tiny = float(np.finfo(np.float64).tiny)
+    leaves = [jnp.full((10,), tiny / 1e6, jnp.float64),
+              jnp.asarray([tiny / 3, 0.0], jnp.float64)]
+    for ord in SUBNORMAL_ORDERS:
+      for total in (True, False):
+        norms = np.asarray(norms_of(leaves, ord, total=total, traced=False))
+        assert norms.dtype == np.float64
+        np.testing.assert_allclose(norms, scaled_numpy_norms(
+            leaves, ord, total=total), rtol=1e-12, atol=2.0 ** -1073)
+
+
+def test_subnormal_per_example_norms():
+  rows = jnp.asarray([[1e-40, 1e-40], [3.0, 4.0], [0.0, 0.0]], jnp.float32)
+  norms = F.per_example_clip_by_global_norm([rows], 1.0).norms
+  np.testing.assert_allclose(norms, [np.sqrt(2) * np.float32(1e-40), 5, 0],
+                             rtol=1e-5, atol=2.0 ** -148)
+
+
+@pytest.mark.parametrize("ord", [100, 200, 1000, 1e5])
+def test_large_orders(ord):
+  # Orders above 126 used to give 0: the rescaled largest entry (in
+  # [0.5, 1)) was raised to a power below float32's range.
+  leaves = [jnp.asarray([0.5, 0.3, -0.49]), jnp.asarray([3e-20, 1e-20])]
+  for total in (True, False):
+    np.testing.assert_allclose(norms_of(leaves, ord, total=total, traced=False),
+                               scaled_numpy_norms(leaves, ord, total=total),
+                               rtol=1e-6)
+  np.testing.assert_allclose(
+      norms_of(leaves, ord, total=True, traced=True),
+      scaled_numpy_norms(leaves, ord, total=True), rtol=1e-6)
+
+
+@pytest.mark.parametrize("ord", [1, 2, 3, 0.5, math.inf])
+def test_gradient_under_shard_map_matches_the_whole_tree(ord):
+  # The derivative's partial sums travel as the norm's do: one psum, each
+  # replicated leaf counted once.
+  from jax.sharding import PartitionSpec as P
+  mesh = jax.make_mesh((8,), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
+  rng = np.random.default_rng(3)
+  split = [jnp.asarray(rng.normal(size=(8, 4)) * s, jnp.float32)
+           for s in (1.0, 1e20)]
+  replicated = jnp.asarray(rng.normal(size=(3,)), jnp.float32)
+  specs = [P("i"), P("i"), P()]
+
+  def norm(split, replicated, **kwargs):
+    return F.global_norm([*split, replicated], ord, **kwargs)
+
+  sharded = jax.jit(jax.shard_map(
+      jax.grad(functools.partial(norm, axis_name="i", specs=specs),
+               argnums=(0, 1)),
+      mesh=mesh, in_specs=(specs[:2], P()), out_specs=(specs[:2], P())))
+  got = jax.tree.leaves(sharded(split, replicated))
+  expected = jax.tree.leaves(jax.grad(norm, argnums=(0, 1))(split, replicated))
+  for g, e in zip(got, expected):
+    np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-7)
