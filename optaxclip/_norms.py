@@ -219,7 +219,7 @@ def _pow(a: jax.Array, p: Any, *, nonzero: jax.Array | None = None
   return jnp.where(positive, jnp.where(positive, a, 1) ** p, other)
 
 
-def safe_root(s: jax.Array, p: float) -> jax.Array:
+def safe_root(s: jax.Array, p: float | jax.Array) -> jax.Array:
   """``s ** (1/p)`` for ``s >= 0`` (NaN stays NaN), finite gradient at 0;
   ``s`` itself for ``p = inf`` (``s`` is then a maximum)."""
   if _is_order(p, 1) or _is_order(p, math.inf):
