@@ -7,16 +7,14 @@ vectors (after squeezing) are one unit, 2-D and 3-D leaves reduce over axis 0
 (linear ``IO``, multi-head), 4-D over axes 0-2 (conv ``HWIO``), 5-D over
 axes 0-3 (conv 3-D ``DHWIO``); ``axis=`` overrides.
 
-Unit norms are accumulated in float32 whatever the leaf dtype. When a sum of
-squares overflows (entries above ~1.8e19), and only then (a ``lax.cond``),
-each unit is rescaled by a power of two first, so finite leaves get finite
-norms. Under ``shard_map`` the partial sums of units split across devices
-are added with one all-reduce per set of mesh axes.
+Unit norms are the library's one norm computation (``_norms``) with each
+leaf keeping its non-unit axes: float32 at least whatever the leaf dtype,
+right at every magnitude (the rescue runs only when a unit's plain sum
+overflows or underflows), and, under ``shard_map``, the partial sums of the
+gradients' and the parameters' units added with one all-reduce.
 """
 
-import functools
 import numbers
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -26,7 +24,7 @@ import optax
 from jax import lax
 from optax._src import base as optax_base
 
-from optaxclip import _norms, _stats, _tree, _validation
+from optaxclip import _counters, _norms, _stats, _tree, _validation
 
 PyTree = Any
 
@@ -35,20 +33,35 @@ DIV_EPS = 1e-6
 
 
 class AGCState(NamedTuple):
-  """State of ``adaptive_grad_clip``; every field is a scalar."""
-  clipped_fraction: jax.Array  # float32: fraction of units clipped last step
-  clipped_units: jax.Array  # int32: units clipped last step
-  scale: jax.Array  # float32: smallest unit factor applied last step
-  count: jax.Array  # int32: steps seen
-  clipped_count: jax.Array  # int32: steps with a finite norm and a unit clipped
-  nonfinite_count: jax.Array  # int32: steps with a NaN or Inf update norm
+  """State of ``adaptive_grad_clip``; every field is a scalar.
+
+  Attributes:
+    clipped_fraction: float32 ``[]``: the fraction of units clipped last
+      step.
+    clipped_units: int32 ``[]``: the units clipped last step.
+    scale: float32 ``[]``: the smallest unit factor applied last step.
+    count: int32 ``[]``: steps seen.
+    clipped_count: int32 ``[]``: steps with a finite norm and a unit clipped.
+    nonfinite_count: int32 ``[]``: steps with a NaN or Inf update norm.
+  """
+  clipped_fraction: jax.Array
+  clipped_units: jax.Array
+  scale: jax.Array
+  count: jax.Array
+  clipped_count: jax.Array
+  nonfinite_count: jax.Array
+
+  @classmethod
+  def fresh(cls) -> "AGCState":
+    """The state before the first step."""
+    return cls(clipped_fraction=jnp.zeros([], jnp.float32),
+               clipped_units=_counters.zero(), scale=jnp.ones([], jnp.float32),
+               count=_counters.zero(), clipped_count=_counters.zero(),
+               nonfinite_count=_counters.zero())
 
 
-def _summarize(state: AGCState) -> dict[str, jax.Array]:
-  return {**state._asdict(), "clip_rate": _stats.clip_rate(state)}
-
-
-_stats.register(AGCState, "agc", _summarize)
+_stats.register(AGCState, "agc",
+                extras=lambda state: {"clip_rate": _counters.clip_rate(state)})
 
 
 def _check_axis(fn: str, axis: Any) -> tuple[int, ...] | None:
@@ -92,116 +105,31 @@ def _unit_axes(fn: str, path: str, x: Any, axis: tuple[int, ...] | None
       f"up to 5 dimensions, pass `axis=` (the axes one unit spans) for others")
 
 
-def _dim_axes(spec: Any, dim: int, axis_names: tuple[Any, ...]) -> set[Any]:
-  """The named mesh axes that split dimension ``dim`` of a leaf."""
-  if spec is None or dim >= len(spec) or spec[dim] is None:
-    return set()
-  entry = spec[dim]
-  return set(entry if isinstance(entry, tuple) else (entry,)) & set(axis_names)
-
-
-class _Layout(NamedTuple):
-  """Where each leaf's units live: the axes to reduce and devices to sum.
-
-  Hashable, so the unit norms compile once per layout when called eagerly.
-  """
-  axes: tuple[tuple[int, ...], ...]  # per leaf: the dimensions a unit spans
-  summed: tuple[tuple[Any, ...], ...]  # per leaf: mesh axes splitting a unit
-  counting: _norms.Reduction  # counts each unit once across devices
-
-
-def _layout(fn: str, tree: PyTree, axis: Any, axis_name: Any,
-            specs: PyTree) -> _Layout:
-  # Validates axis_name and specs as every norm-based transform does.
-  reduction = _norms.make_reduction(fn, tree, axis_name, specs)
-  axis_names = reduction.axis_names
-  with_paths = _tree.clippable_leaves_with_paths(tree)
-  leaf_specs = _norms.clippable_leaf_specs(fn, tree, specs)
-  axes, summed, replicated = [], [], []
-  for (path, x), spec in zip(with_paths, leaf_specs):
-    unit_axes = _unit_axes(fn, path, x, axis)
-    splitting = [_dim_axes(spec, d, axis_names) for d in range(len(x.shape))]
-    reduced = set().union(*(splitting[d] for d in unit_axes))
-    kept = set().union(*(s for d, s in enumerate(splitting)
-                         if d not in unit_axes))
-    axes.append(unit_axes)
-    summed.append(tuple(a for a in axis_names if a in reduced))
-    replicated.append(tuple(a for a in axis_names if a not in kept))
-  return _Layout(tuple(axes), tuple(summed),
-                 _norms.Reduction(axis_names, tuple(replicated)))
-
-
-def _all_reduce(values: list[jax.Array], summed: Sequence[tuple[Any, ...]],
-                op) -> list[jax.Array]:
-  """``op`` (psum/pmax) of each value over its axes: one call per axis set."""
-  out = list(values)
-  groups: dict[tuple[Any, ...], list[int]] = {}
-  for i, names in enumerate(summed):
-    if names:
-      groups.setdefault(names, []).append(i)
-  for names, rows in groups.items():
-    flat = op(jnp.concatenate([values[i].reshape(-1) for i in rows]), names)
-    offset = 0
-    for i in rows:
-      out[i] = flat[offset:offset + values[i].size].reshape(values[i].shape)
-      offset += values[i].size
-  return out
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _unit_norms(leaves: list[jax.Array], layout: _Layout) -> list[jax.Array]:
-  """Each leaf's unit norms, shaped to broadcast against it (keepdims)."""
-  axis_names = layout.counting.axis_names
-
-  def sums_of(values):
-    return [jnp.sum(v * v, axis=a, keepdims=True)
-            for v, a in zip(values, layout.axes)]
-
-  magnitudes = [_norms.magnitude(x, _tree.accumulation_dtype([x]))
-                for x in leaves]
-  sums = _all_reduce(sums_of(magnitudes), layout.summed, lax.psum)
-  overflow = jnp.any(jnp.stack([jnp.any(~(s < jnp.inf)) for s in sums]))
-  if axis_names:  # every device takes the same branch (it holds collectives)
-    overflow = lax.pmax(overflow.astype(jnp.int32), axis_names) > 0
-
-  def plain():
-    return [_norms.safe_root(s, 2) for s in sums]
-
-  def rescaled():
-    # Divide each unit by a power of two just above its largest entry, sum,
-    # and multiply back: exact scalings, so only the rounding of the sum
-    # remains.
-    maxima = _all_reduce([jnp.max(m, axis=a, keepdims=True, initial=0)
-                          for m, a in zip(magnitudes, layout.axes)],
-                         layout.summed, lax.pmax)
-    scaled_sums, exponents = [], []
-    for m, peak, a in zip(magnitudes, maxima, layout.axes):
-      usable = jnp.isfinite(peak) & (peak > 0)
-      _, exponent = jnp.frexp(jnp.where(usable, peak, 1))
-      exponent = jnp.where(usable, exponent, 0)
-      scaled = _norms.times_power_of_two(m, -exponent)
-      scaled_sums.append(jnp.sum(scaled * scaled, axis=a, keepdims=True))
-      exponents.append(exponent)
-    scaled_sums = _all_reduce(scaled_sums, layout.summed, lax.psum)
-    return [_norms.times_power_of_two(_norms.safe_root(t, 2), e)
-            for t, e in zip(scaled_sums, exponents)]
-
-  return lax.cond(overflow, rescaled, plain)
+def _kept_axes(fn: str, updates: PyTree, axis: tuple[int, ...] | None
+               ) -> tuple[tuple[int, ...], ...]:
+  """Per clippable leaf, the axes its units keep (all but the unit axes)."""
+  def kept(path, x):
+    reduced = _unit_axes(fn, path, x, axis)
+    return tuple(a for a in range(len(x.shape)) if a not in reduced)
+  return tuple(kept(path, x)
+               for path, x in _tree.clippable_leaves_with_paths(updates))
 
 
 def _clip(fn: str, updates: PyTree, params: PyTree, clipping: Any, eps: Any,
           axis: Any, axis_name: Any, specs: PyTree):
   """The clipped updates and ``(clipped units, units, min factor, finite)``."""
   weights = _paired_params(fn, updates, params)
-  layout = _layout(fn, updates, axis, axis_name, specs)
-  axis_names = layout.counting.axis_names
+  keep = _kept_axes(fn, updates, axis)
+  reduction = _norms.make_reduction(fn, updates, axis_name, specs, keep)
+  axis_names = reduction.axis_names
   grads = _tree.clippable_leaves(updates)
   if not grads:
     one, zero = jnp.ones([], jnp.float32), jnp.zeros([], jnp.float32)
     return updates, (zero, zero, one, jnp.bool_(True))
-  # Gradients and parameters together: one all-reduce, one overflow check.
-  both = _Layout(layout.axes * 2, layout.summed * 2, layout.counting)
-  norms = _unit_norms(grads + weights, both)
+  # Gradients and parameters together: one all-reduce, one rescue check.
+  both = grads + weights
+  norms = _norms.unit_norms(both, 2, reduction.repeated(2), keep * 2,
+                            keepdims=True)
   grad_norms, param_norms = norms[:len(grads)], norms[len(grads):]
   clipping = jnp.asarray(clipping, jnp.float32)
   factors = []
@@ -209,22 +137,19 @@ def _clip(fn: str, updates: PyTree, params: PyTree, clipping: Any, eps: Any,
     limit = clipping * jnp.maximum(p, jnp.asarray(eps, p.dtype))
     # optax: unclipped when g < limit, else limit / max(g, 1e-6).
     factors.append(jnp.where(g < limit, 1, limit / jnp.maximum(g, DIV_EPS)))
-  leaves, treedef = jax.tree.flatten(updates)
-  factor_of = iter(factors)
-  clipped = [(x * next(factor_of)).astype(x.dtype) if _tree.is_clippable(x)
-             else x for x in map(_tree.as_array, leaves)]
+  clipped = _tree.map_clippable_indexed(
+      lambda x, i: (x * factors[i]).astype(x.dtype), updates)
   # Statistics, each unit counted once across devices.
   hits = jnp.stack([jnp.sum(f < 1, dtype=jnp.float32) for f in factors])
   units = jnp.asarray([f.size for f in factors], jnp.float32)
   clipped_units, all_units = jnp.sum(
-      layout.counting.sum(jnp.stack([hits, units])), axis=1)
+      reduction.counting().sum(jnp.stack([hits, units])), axis=1)
   smallest = jnp.min(jnp.stack([jnp.min(f, initial=1.0) for f in factors]))
   finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grad_norms]))
   if axis_names:
     smallest = -lax.pmax(-smallest, axis_names)
     finite = lax.pmin(finite.astype(jnp.int32), axis_names) > 0
-  stats = (clipped_units, all_units, smallest, finite)
-  return treedef.unflatten(clipped), stats
+  return clipped, (clipped_units, all_units, smallest, finite)
 
 
 def _check(fn: str, clipping: Any, eps: Any, axis: Any, axis_name: Any,
@@ -381,10 +306,7 @@ def adaptive_grad_clip(clipping: Any, *, eps: Any = 1e-3, axis: Any = None,
 
   def init_fn(params):
     del params
-    return AGCState(clipped_fraction=jnp.zeros([], jnp.float32),
-                    scale=jnp.ones([], jnp.float32),
-                    **_stats.zeros(jnp.int32, "clipped_units", "count",
-                                   "clipped_count", "nonfinite_count"))
+    return AGCState.fresh()
 
   def update_fn(updates, state, params=None):
     if params is None:
@@ -398,7 +320,7 @@ def adaptive_grad_clip(clipping: Any, *, eps: Any = 1e-3, axis: Any = None,
         clipped_fraction=(hits / jnp.maximum(units, 1)).astype(jnp.float32),
         clipped_units=hits.astype(jnp.int32),
         scale=smallest.astype(jnp.float32),
-        **_stats.step_counts(state, finite=finite, clipped=hits > 0))
+        **_counters.step_counts(state, finite=finite, clipped=hits > 0))
     return clipped, new_state
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -17,15 +17,6 @@ def zero() -> jax.Array:
   return jnp.zeros([], jnp.int32)
 
 
-def zeros(dtype: Any, *fields: str) -> dict[str, jax.Array]:
-  """A scalar zero of ``dtype`` for each state field in ``fields``.
-
-  Kept for ``_agc``; states build their fields with keyword arguments.
-  One array per field, never shared: ``jit`` cannot donate one buffer twice.
-  """
-  return {field: jnp.zeros([], dtype) for field in fields}
-
-
 def increment(counter: jax.Array) -> jax.Array:
   """``counter + 1``, saturating at the int32 maximum."""
   return count_if(True, counter)

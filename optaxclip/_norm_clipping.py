@@ -21,19 +21,15 @@ import jax.numpy as jnp
 import optax
 
 from optaxclip import (
-    _counters,
-    _nonfinite,
-    _norms,
-    _running_stats,
-    _scaling,
-    _stats,
-    _tree,
-    _validation,
+  _counters,
+  _nonfinite,
+  _norms,
+  _running_stats,
+  _scaling,
+  _stats,
+  _tree,
+  _validation,
 )
-
-# Old home of clip_factor and scale_leaves, for modules not yet moved to _scaling.
-from optaxclip._scaling import clip_factor as clip_factor
-from optaxclip._scaling import scale_leaves as scale_leaves
 from optaxclip._types import AxisName, NonFinite, Ord, Scalar
 
 PyTree = Any
@@ -99,8 +95,8 @@ def _clip(fn: str, tree: PyTree, max_norm, p, eps, axis_name, specs, *,
     norms = _norms.leaf_norms(leaves, p, reduction)
   else:
     norms = _norms.norm_of_leaves(leaves, p, reduction)
-  factors = clip_factor(norms, max_norm, eps)
-  return scale_leaves(tree, factors), norms, factors
+  factors = _scaling.clip_factor(norms, max_norm, eps)
+  return _scaling.scale_leaves(tree, factors), norms, factors
 
 
 def clip_by_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,

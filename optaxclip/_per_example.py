@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from optaxclip import _norm_clipping, _norms, _tree, _validation
+from optaxclip import _norms, _scaling, _tree, _validation
 
 PyTree = Any
 
@@ -83,7 +83,7 @@ def _factors(norms: jax.Array, max_norm: Any) -> jax.Array:
   As optax (``nan_to_num(min(c / norm, 1), nan=1)``): its NaN then reaches
   the sum, where it belongs. ``c = norm = 0`` and ``c = norm = inf`` give 1.
   """
-  factors = _norm_clipping.clip_factor(norms, max_norm, 0.0)
+  factors = _scaling.clip_factor(norms, max_norm, 0.0)
   return jnp.where(jnp.isnan(factors), jnp.ones_like(factors), factors)
 
 
@@ -98,15 +98,8 @@ def _weighted_sum(factors: jax.Array, x: jax.Array) -> jax.Array:
 
 def _sum_clipped(tree: PyTree, factors_of) -> PyTree:
   """Each clippable leaf summed over the batch with its factors."""
-  leaves, treedef = jax.tree.flatten(tree)
-  out, index = [], 0
-  for x in leaves:
-    if _tree.is_clippable(x):
-      out.append(_weighted_sum(factors_of(index), x))
-      index += 1
-    else:
-      out.append(x)
-  return treedef.unflatten(out)
+  return _tree.map_clippable_indexed(
+      lambda x, i: _weighted_sum(factors_of(i), x), tree)
 
 
 def _per_leaf_tree(tree: PyTree, values: list[Any], fill: Any) -> PyTree:

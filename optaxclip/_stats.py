@@ -16,11 +16,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-# Old homes of the step counters, for modules not yet moved to _counters.
-from optaxclip._counters import clip_rate as clip_rate
-from optaxclip._counters import step_counts as step_counts
-from optaxclip._counters import zeros as zeros
-
 Summary = Callable[[Any], dict[str, jax.Array]]
 _REGISTRY: dict[type, tuple[str, Summary]] = {}
 _CLIPPERS: set[type] = set()

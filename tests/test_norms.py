@@ -214,10 +214,12 @@ def many_leaf_tree(count, seed=0):
 
 
 @pytest.mark.parametrize("ord", [1, 2, 3, math.inf])
-def test_trees_of_several_groups_match_float64(ord):
-  # More leaves than one group holds, of every dtype, plus one leaf that
-  # needs the rescue (for p > 1) among them.
-  count = 2 * oc._norms.GROUP_SIZE + 37
+def test_trees_of_several_groups_match_float64(ord, monkeypatch):
+  # More leaves than one group holds (groups made small, so that the tree
+  # compiles fast), of every dtype, plus one leaf that needs the rescue
+  # (for p > 1) among them.
+  monkeypatch.setattr(oc._grouping, "GROUP_SIZE", 8)
+  count = 12 * oc._grouping.GROUP_SIZE + 37
   tree = many_leaf_tree(count)
   np.testing.assert_allclose(F.global_norm(tree, ord), numpy_norm(tree, ord),
                              rtol=2e-6)
@@ -246,7 +248,7 @@ def test_program_grows_by_groups_not_by_leaves(count):
   # reduction per leaf. Elementwise ops still scale with the leaves.
   tree = many_leaf_tree(count)
   sizes = [sum(x.dtype == dtype for x in tree) for dtype in {x.dtype for x in tree}]
-  limit = oc._norms.GROUP_SIZE
+  limit = oc._grouping.GROUP_SIZE
   groups = [min(limit, n - start) for n in sizes for start in range(0, n, limit)]
   assert len(groups) * 40 < count  # many leaves per group
   norm = lambda t: F.global_norm(t)
@@ -455,28 +457,45 @@ def test_gradient_of_complex_leaves_matches_jax(ord):
   np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-7)
 
 
+def losses_through_every_clipper(t, p):
+  """A loss through each functional clipper, for the order ``p``."""
+  return {
+      "clip_by_global_norm": jnp.sum(
+          F.clip_by_global_norm(t, 1.0, ord=p)[0]["a"]),
+      "clip_by_norm": jnp.sum(F.clip_by_norm(t, 1.0, ord=p)["a"]),
+      "global_norm": F.global_norm(t, p),
+      "per_example": jnp.sum(F.per_example_clip_by_global_norm(
+          t["b"], 1.0, ord=p).summed),
+  }
+
+
+def gradients_through_every_clipper(t, p):
+  return {name: jax.grad(lambda t: losses_through_every_clipper(t, p)[name])(t)
+          for name in losses_through_every_clipper(t, p)}
+
+
+# A traced order compiles once for every order of the grid.
+TRACED_GRADIENTS = jax.jit(gradients_through_every_clipper)
+
+
 @pytest.mark.parametrize("ord", GRID_ORDERS)
 @pytest.mark.parametrize("traced", [False, True], ids=["static", "traced"])
 def test_gradient_through_every_clipper_is_finite_at_zero(ord, traced):
   zeros = {"a": jnp.zeros(3), "b": jnp.zeros((2, 2), jnp.bfloat16)}
-  p = jnp.float32(ord) if traced else ord
-  losses = {
-      "clip_by_global_norm": lambda t, p: jnp.sum(
-          F.clip_by_global_norm(t, 1.0, ord=p)[0]["a"]),
-      "clip_by_norm": lambda t, p: jnp.sum(F.clip_by_norm(t, 1.0, ord=p)["a"]),
-      "global_norm": lambda t, p: F.global_norm(t, p),
-      "per_example": lambda t, p: jnp.sum(F.per_example_clip_by_global_norm(
-          t["b"], 1.0, ord=p).summed),
-  }
-  for name, loss in losses.items():
-    grads = jax.jit(jax.grad(loss))(zeros, p)
+  if traced:
+    grads = TRACED_GRADIENTS(zeros, jnp.float32(ord))
+  else:  # the order a Python number, each its own program
+    grads = jax.jit(lambda t: gradients_through_every_clipper(t, ord))(zeros)
+  for name, grad in grads.items():
     assert all(np.all(np.isfinite(np.asarray(g, np.float32)))
-               for g in jax.tree.leaves(grads)), name
-  tx = optax.inject_hyperparams(oc.clip_by_global_norm)(max_norm=1.0, ord=ord)
-  state = tx.init(zeros)
-  grads = jax.grad(lambda t: jnp.sum(tx.update(t, state)[0]["a"]))(zeros)
-  assert all(np.all(np.isfinite(np.asarray(g, np.float32)))
-             for g in jax.tree.leaves(grads))
+               for g in jax.tree.leaves(grad)), name
+  if traced:
+    tx = optax.inject_hyperparams(oc.clip_by_global_norm)(max_norm=1.0,
+                                                          ord=ord)
+    state = tx.init(zeros)
+    grads = jax.grad(lambda t: jnp.sum(tx.update(t, state)[0]["a"]))(zeros)
+    assert all(np.all(np.isfinite(np.asarray(g, np.float32)))
+               for g in jax.tree.leaves(grads))
 
 
 SUBNORMAL_ORDERS = [0.5, 1, 2, 3]

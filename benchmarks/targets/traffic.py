@@ -16,7 +16,7 @@ TOLERANCE = 0.01  # scalars (the norm, counters) and small state, in passes
 JUDGED = ("optaxclip", "optaxclip clip_grad_norm")
 CLIPS = (*JUDGED, "optax clip")
 # optaxclip groups leaves up to this many elements for compile time (its
-# `_norms.GROUP_LIMIT` when this was written); the parts show each kind.
+# `_grouping.GROUP_LIMIT` when this was written); the parts show each kind.
 SMALL_LEAF = 1 << 15
 
 

@@ -1,0 +1,178 @@
+"""Leaves grouped for compile time, and where each one's results go.
+
+A norm reduces every leaf over some of its axes (all of them, or all but a
+kept layer or unit axis) to one partial value per *unit*: one per leaf, per
+layer or per AGC unit. XLA:CPU compiles each small reduction as a kernel of
+its own, so a tree of thousands of small leaves would compile thousands of
+them: small leaves of one shape, dtype, sharding and kept axes are stacked
+and reduced together instead (one fusion per group), once, for the plain
+pass and the rare rescue pass alike. Larger leaves reduce on their own, so
+run time never pays for copying them.
+
+Measured (benchmarks/, compile target): groups of 256 leaves compile 2000
+leaves in half the time one group of all of them takes, since XLA's cost of
+compiling one concatenation grows faster than its operand count beyond a
+few hundred, and separate groups compile in parallel.
+"""
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+# Leaves up to this many elements are grouped with others.
+GROUP_LIMIT = 1 << 15
+# At most this many leaves per group.
+GROUP_SIZE = 256
+
+Keep = tuple[int, ...]  # the axes of a leaf that its units keep (sorted)
+
+
+def _take(vector: jax.Array, indices) -> jax.Array:
+  """``vector[indices]`` for static in-bounds indices (a slice where they
+  are a contiguous range, else a bare gather)."""
+  indices = np.asarray(indices)
+  flat = indices.ravel()
+  if flat.size and np.array_equal(flat, np.arange(flat[0], flat[0] + flat.size)):
+    taken = lax.slice_in_dim(vector, int(flat[0]), int(flat[0]) + flat.size)
+  else:
+    taken = vector.at[flat].get(mode="promise_in_bounds", unique_indices=True)
+  return taken.reshape(indices.shape)
+
+
+class Group(NamedTuple):
+  """Values reduced together: a leaf, a stack of leaves, or (merged) a flat
+  concatenation of leaves that only a total is wanted of."""
+  values: Any  # an array (or a tuple of arrays grouped alike: see `zip`)
+  reduced: tuple[int, ...]  # the axes of `values` reduced to its units
+  units: Any  # the units' positions in the unit vector, shaped like
+  #             `values` with `reduced` axes of size 1; None when merged
+
+  def pick(self, per_unit: jax.Array) -> jax.Array:
+    """The entries of ``per_unit`` (a vector in unit order, or a scalar
+    shared by all) that belong to these values, shaped to broadcast
+    against them."""
+    if per_unit.ndim == 0:
+      return per_unit
+    assert self.units is not None, "a merged group has no units"
+    if self.units.size == 1:
+      return per_unit[int(self.units.ravel()[0])]
+    return _take(per_unit, self.units)
+
+
+def _layout(x: jax.Array) -> Any:
+  """What two leaves must share to be stacked without moving data.
+
+  Unsharded leaves share everything; on an Explicit mesh, leaves with the
+  same PartitionSpec do. On an Auto mesh the sharding is unknown while
+  tracing (the compiler picks it): such leaves reduce alone (None), since
+  stacking differently sharded leaves would make XLA move them.
+  """
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if sharding is None or mesh is None or mesh.empty:
+    return ()
+  if any(t == jax.sharding.AxisType.Auto for t in mesh.axis_types):
+    return None
+  return mesh, sharding.spec
+
+
+def _plan(leaves: Sequence[jax.Array], keep: Sequence[Keep], *,
+          merge: bool) -> list[tuple[bool, list[int]]]:
+  """Which leaves go together: ``(merged, leaf indices)`` per group."""
+  by_key: dict[Any, list[int]] = {}
+  for i, (x, kept) in enumerate(zip(leaves, keep)):
+    layout = _layout(x)
+    if x.size > GROUP_LIMIT or layout is None:
+      key = i
+    elif merge and layout == ():
+      key = ("flat", x.dtype)
+    else:
+      key = (x.shape, x.dtype, layout, kept)
+    by_key.setdefault(key, []).append(i)
+  return [(isinstance(key, tuple) and key[0] == "flat",
+           all_rows[start:start + GROUP_SIZE])
+          for key, all_rows in by_key.items()
+          for start in range(0, len(all_rows), GROUP_SIZE)]
+
+
+class Grouped:
+  """``leaves`` in groups; each leaf's units are its ``keep`` axes' entries.
+
+  With ``merge`` (a total that needs no per-leaf partials), small unsharded
+  leaves of one dtype are concatenated whatever their shapes: one reduction
+  per ``GROUP_SIZE`` leaves.
+  """
+
+  def __init__(self, leaves: Sequence[jax.Array],
+               keep: Sequence[Keep] | None = None, *, merge: bool = False,
+               plan: list[tuple[bool, list[int]]] | None = None):
+    keep = [()] * len(leaves) if keep is None else list(keep)
+    self.plan = _plan(leaves, keep, merge=merge) if plan is None else plan
+    self.keep = keep
+    self.kept_shapes = [tuple(x.shape[a] for a in k)
+                        for x, k in zip(leaves, keep)]
+    self.sizes = tuple(math.prod(shape) for shape in self.kept_shapes)
+    offsets = np.cumsum((0,) + self.sizes)
+    self.groups = [self._group([leaves[i] for i in rows], rows, offsets,
+                               merged=merged)
+                   for merged, rows in self.plan]
+
+  def _group(self, members, rows, offsets, *, merged: bool) -> Group:
+    first, kept = members[0], self.keep[rows[0]]
+    if merged and len(members) > 1:
+      # lax, not jnp, and no reshape of vectors: this runs once per leaf, and
+      # tracing time is part of the compile time of trees with many leaves.
+      return Group(lax.concatenate(
+          [x if x.ndim == 1 else lax.reshape(x, (x.size,)) for x in members],
+          0), (0,), None)
+    # Positions of each member's units, shaped to broadcast against it.
+    shape = tuple(d if a in kept else 1 for a, d in enumerate(first.shape))
+    units = np.stack([offsets[i] + np.arange(self.sizes[i]).reshape(shape)
+                      for i in rows])
+    reduced = tuple(a for a in range(first.ndim) if a not in kept)
+    if len(members) == 1:
+      return Group(first, reduced, units[0])
+    return Group(jnp.stack(members), tuple(a + 1 for a in reduced), units)
+
+  def zip(self, others: Sequence[jax.Array]) -> list[Group]:
+    """The groups with ``(leaf values, other values)``, ``others`` (the
+    tangents of the leaves) grouped exactly as the leaves were."""
+    twins = Grouped(others, self.keep, plan=self.plan).groups
+    return [group._replace(values=(group.values, twin.values))
+            for group, twin in zip(self.groups, twins)]
+
+  def per_unit(self, groups: Sequence[Group],
+               elementwise: Callable[[Any, Group], jax.Array],
+               reduce: Callable[..., jax.Array]) -> jax.Array:
+    """``reduce(elementwise(values, group))`` over each unit: a vector in
+    unit order (leaf by leaf, each leaf's kept entries in C order)."""
+    pieces, order = [], []
+    for group in groups:
+      assert group.units is not None, "per unit needs unmerged groups"
+      values = elementwise(group.values, group)
+      pieces.append(reduce(values, axis=group.reduced).reshape(-1))
+      order.append(group.units.reshape(-1))
+    vector = jnp.concatenate(pieces)
+    order = np.concatenate(order)
+    if not np.array_equal(order, np.arange(order.size)):
+      vector = _take(vector, np.argsort(order))
+    return vector
+
+  def split(self, per_unit: jax.Array, leaves: Sequence[jax.Array], *,
+            keepdims: bool) -> list[jax.Array]:
+    """A vector in unit order as one array per leaf: of its kept axes'
+    shape, or with ``keepdims`` of the leaf's rank (reduced axes of size
+    1), to broadcast against it."""
+    offsets = np.cumsum((0,) + self.sizes)
+    shapes = self.kept_shapes
+    if keepdims:
+      shapes = [tuple(d if a in kept else 1 for a, d in enumerate(x.shape))
+                for x, kept in zip(leaves, self.keep)]
+    return [lax.slice_in_dim(per_unit, int(start), int(start) + size)
+            .reshape(shape)
+            for start, size, shape in zip(offsets, self.sizes, shapes)]
