@@ -164,6 +164,13 @@ BAD_ARGUMENTS = [
         ("6", TypeError, r" must be a real number, got '6'")]),
     *_rows(THRESHOLDS[:3], "max_norm", [
         (jnp.array(math.nan), ValueError, r" must be a number >= 0 or inf, got Array\(nan")]),
+    # a norm measured beforehand: >= 0; NaN and inf pass on, as norms do
+    *_rows(["F.clip_by_global_norm"], "use_norm", [
+        (-1.0, ValueError, r" must be a norm: a number >= 0 \(NaN and inf are "
+         r"passed on as the norm of non-finite gradients\), got -1.0"),
+        (-math.inf, ValueError, r" must be a norm: a number >= 0 .*, got -inf"),
+        (jnp.array(-1.0), ValueError, r" must be a norm: .*, got Array\(-1\."),
+    ] + NOT_A_NUMBER),
     *_rows(ORDERS + ["microbatch_guard"], "ord", ORD),
     *_rows(["clip_grad_norm"], "norm_type", ORD),
     *_rows(EPS, "eps", NEGATIVE_FINITE),
