@@ -72,7 +72,7 @@ def _block_rms_factors(norms: jax.Array, sizes: np.ndarray,
   Any shapes that broadcast: one value per leaf now, one per layer slice
   where a leaf stacks layers. An empty block has RMS 0, not 0/0.
   """
-  roots = np.sqrt(np.maximum(sizes, 1)).astype(norms.dtype)
+  roots = np.sqrt(np.where(sizes > 0, sizes, 1)).astype(norms.dtype)
   # rms > threshold  <=>  norm > threshold * sqrt(n): the factor divides the
   # norm itself, so no division by a constant (which XLA turns into a
   # multiply by its rounded reciprocal under jit only) makes jit and eager
@@ -101,15 +101,41 @@ def _global_sizes(leaves: list[jax.Array],
   return np.asarray(sizes, np.float64)
 
 
+def _leaf_rms(leaves: list[jax.Array], reduction: _norms.Reduction,
+              threshold: Any) -> tuple[jax.Array, jax.Array]:
+  """``(rms, factor)`` of every leaf, finite for finite leaves.
+
+  The norm of a leaf overflows float32 where its RMS need not (entries near
+  the largest float, ``n >= 2``). Only then (a ``lax.cond``) the norms are
+  taken again of the leaves times ``2**-k``, ``2**k >= sqrt(n)``, which
+  cannot overflow: the same formulas with ``n / 4**k`` entries (exact
+  powers of two) give the RMS and factor. An Inf entry keeps an Inf norm.
+  """
+  sizes = _global_sizes(leaves, reduction)
+  norms = _norms.leaf_norms(leaves, 2, reduction)
+  plain = _block_rms_factors(norms, sizes, threshold)
+  overflowed = jnp.isinf(norms)
+  if not leaves or not _norms.BUILD_RESCUE:
+    return plain
+
+  def rescued():
+    shifts = np.ceil(np.log2(np.where(sizes > 0, sizes, 1)) / 2)
+    scaled = [x * jnp.asarray(2.0 ** -k, x.dtype) for x, k in zip(leaves, shifts)]
+    rms, factors = _block_rms_factors(_norms.leaf_norms(scaled, 2, reduction),
+                                      sizes / 4.0 ** shifts, threshold)
+    return (jnp.where(overflowed, rms, plain[0]),
+            jnp.where(overflowed, factors, plain[1]))
+
+  return lax.cond(jnp.any(overflowed), rescued, lambda: plain)
+
+
 def _clip(fn: str, tree: PyTree, threshold, axis_name, specs
           ) -> tuple[PyTree, jax.Array, jax.Array]:
   """The clipped tree, and the RMS and factor of every clippable leaf."""
   _validation.check_tree(fn, "the tree", tree)
   reduction = _norms.make_reduction(fn, tree, axis_name, specs)
   leaves = _tree.clippable_leaves(tree)
-  norms = _norms.leaf_norms(leaves, 2, reduction)
-  rms, factors = _block_rms_factors(norms, _global_sizes(leaves, reduction),
-                                    threshold)
+  rms, factors = _leaf_rms(leaves, reduction, threshold)
   return _scaling.scale_leaves(tree, factors), rms, factors
 
 

@@ -127,6 +127,26 @@ def test_right_where_optax_overflows_or_underflows(dtype, scale):
                                           else HALF_FROM_EXACT)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("threshold", [1e38, 3e38, math.inf])
+def test_rms_right_where_the_norm_itself_overflows(dtype, threshold):
+  # Entries near the largest float: the 2-norm (~6e38) is beyond float32,
+  # the RMS (~3e38) is not. No NaN (inf / inf) and no zeros (threshold / inf).
+  top = float(jnp.finfo(dtype).max)
+  tree = [jnp.asarray([0.9 * top, -0.95 * top, 0.8 * top, top], dtype),
+          jnp.ones(3, dtype), jnp.asarray([0.5 * top, 1.0], dtype)]
+  for clip in (F.clip_by_block_rms, jax.jit(F.clip_by_block_rms)):
+    got = clip(tree, threshold)
+    for x, g in zip(tree, got):
+      assert ulps(g, exact(x, threshold), dtype).max() <= (
+          F32_FROM_EXACT if dtype == jnp.float32 else HALF_FROM_EXACT)
+  tx = oc.clip_by_block_rms(threshold)
+  _, state = jax.jit(tx.update)(tree, tx.init(tree))
+  rms = max(np.sqrt(np.mean(np.asarray(x, np.float64) ** 2)) for x in tree)
+  np.testing.assert_allclose(state.rms, rms, rtol=1e-6 if dtype == jnp.float32 else 1e-2)
+  assert state.nonfinite_count == 0
+
+
 def test_zero_leaves_and_zero_threshold_stay_finite():
   zeros = [jnp.zeros(3), jnp.zeros((2, 2), jnp.bfloat16)]
   reference, _ = optax.clip_by_block_rms(0.0).update(zeros, None)
