@@ -19,6 +19,7 @@ from conftest import FLOAT_DTYPES
 from jax import shard_map
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_distributed import hlo_ops
 
 import optaxclip as oc
 from optaxclip import _block_rms
@@ -288,3 +289,18 @@ def test_gspmd_sharded_jit_gives_the_global_result():
   got = jax.jit(lambda t: F.clip_by_block_rms(t, 1.5))(tree)
   for key, x in host.items():
     np.testing.assert_allclose(got[key], exact(x, 1.5), rtol=2e-6, err_msg=key)
+
+
+def test_shard_map_one_all_reduce_per_step():
+  # The main path all-reduces the per-leaf partial sums once; the rescues
+  # (the norm's, and the overflowed-RMS one) run only in a conditional.
+  mesh = jax.make_mesh((2, 4), AXES)
+  specs = {k: spec for k, (_, spec) in LEAVES.items()}
+  tx = oc.clip_by_block_rms(1.0, axis_name=AXES, specs=specs)
+  step = jax.jit(shard_map(lambda t: tx.update(t, tx.init(t)), mesh=mesh,
+                           in_specs=(specs,), out_specs=(specs, P())))
+  tree = {k: jax.ShapeDtypeStruct(shape, jnp.float32,
+                                  sharding=NamedSharding(mesh, spec))
+          for k, (shape, spec) in LEAVES.items()}
+  hlo = step.lower(tree).compile().as_text()
+  assert hlo_ops(hlo, "all-reduce")[0] == 1
