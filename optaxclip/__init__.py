@@ -14,6 +14,8 @@ from optaxclip._agc import AGCState as AGCState
 from optaxclip._agc import adaptive_grad_clip as adaptive_grad_clip
 from optaxclip._autoclip import AutoClipState as AutoClipState
 from optaxclip._autoclip import auto_clip as auto_clip
+from optaxclip._block_rms import BlockRMSState as BlockRMSState
+from optaxclip._block_rms import clip_by_block_rms as clip_by_block_rms
 from optaxclip._loss_scale import LossScaleState as LossScaleState
 from optaxclip._loss_scale import LossScaleWrapperState as LossScaleWrapperState
 from optaxclip._loss_scale import dynamic_loss_scale as dynamic_loss_scale
@@ -40,6 +42,7 @@ __all__ = [
     "AGCState",
     "AdaGCState",
     "AutoClipState",
+    "BlockRMSState",
     "ClipState",
     "LossScaleState",
     "LossScaleWrapperState",
@@ -52,6 +55,7 @@ __all__ = [
     "adagc",
     "adaptive_grad_clip",
     "auto_clip",
+    "clip_by_block_rms",
     "clip_by_global_norm",
     "clip_by_norm",
     "clip_by_value",

@@ -138,9 +138,34 @@ def clip_by_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
   return clipped
 
 
+def _check_use_norm(fn: str, use_norm: Any) -> Any:
+  """A given norm: a number >= 0, NaN or Inf (they propagate, as norms).
+
+  Traced, a negative one acts as 0 (nothing is clipped); NaN stays NaN.
+  """
+  number = _validation.scalar(fn, "use_norm", use_norm)
+  if _validation.is_traced(number):
+    return jnp.where(number < 0, jnp.zeros_like(number), number)
+  if number < 0:
+    raise ValueError(
+        f"`{fn}(use_norm=...)` must be a norm: a number >= 0 (NaN and inf "
+        f"are passed on as the norm of non-finite gradients), got {use_norm!r}")
+  return use_norm
+
+
+def _clip_by_given_norm(fn: str, tree: PyTree, max_norm, eps,
+                        use_norm) -> tuple[PyTree, jax.Array]:
+  """``tree`` scaled for the norm ``use_norm``; no reduction over the tree."""
+  _validation.check_tree(fn, "the tree", tree)
+  acc = _tree.accumulation_dtype(_tree.clippable_leaves(tree))
+  norm = jnp.asarray(use_norm, acc)
+  return scale_leaves(tree, clip_factor(norm, max_norm, eps)), norm
+
+
 def clip_by_global_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
                            eps: Scalar = 0.0, axis_name: AxisName = None,
-                           specs: PyTree = None) -> tuple[PyTree, jax.Array]:
+                           specs: PyTree = None, use_norm: Scalar | None = None
+                           ) -> tuple[PyTree, jax.Array]:
   """Scales ``tree`` so that its global ``ord``-norm is at most ``max_norm``.
 
   All floating leaves are multiplied by one factor ``s`` computed from the
@@ -148,9 +173,20 @@ def clip_by_global_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
   TensorFlow's ``clip_by_global_norm``, ``eps=1e-6`` PyTorch's
   ``clip_grad_norm_``.
 
+  With ``use_norm``, the tree is clipped by that norm instead, measured
+  beforehand (accumulated over micro-batches, all-reduced by hand, or one
+  norm for a tree clipped in pieces): nothing is reduced over the tree, and
+  ``ord``, ``axis_name`` and ``specs`` play no part. This is TensorFlow's
+  ``tf.clip_by_global_norm(t_list, clip_norm, use_norm=...)`` (``eps=0``)
+  and PyTorch's ``clip_grads_with_norm_(params, max_norm, total_norm)``
+  (``eps=1e-6``). A NaN ``use_norm`` makes every leaf NaN, as in both. An
+  infinite one gives the factor 0, as a measured infinite norm does and as
+  in PyTorch: finite entries become 0 (TensorFlow makes every leaf NaN).
+
   Traced arguments (inside ``jit``) cannot be checked: a negative or NaN
   ``max_norm`` then acts as 0 (the result is zero), a negative or NaN
-  ``eps`` as 0, and an ``ord`` that is not > 0 as 2.
+  ``eps`` as 0, an ``ord`` that is not > 0 as 2, and a negative
+  ``use_norm`` as 0 (nothing is clipped; a NaN one stays NaN).
 
   Args:
     tree: a pytree of arrays.
@@ -162,10 +198,13 @@ def clip_by_global_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
       over; the norm is then global across devices (one all-reduce).
     specs: with ``axis_name``, the leaves' ``PartitionSpec`` (tree prefix):
       leaves replicated on an axis are counted once.
+    use_norm: the norm to clip by (a scalar >= 0; NaN and inf are passed
+      on), or None to measure the tree's own.
 
   Returns:
     ``(clipped_tree, norm)``: the tree with each leaf's dtype, and the pre-clip
-    norm (float32, or float64 for float64 trees under x64).
+    norm (float32, or float64 for float64 trees under x64); with
+    ``use_norm``, that norm in this dtype.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -176,9 +215,18 @@ def clip_by_global_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
     Array(5.477226, dtype=float32)
     >>> clipped
     [Array([2.7386127, 3.6514835], dtype=float32), Array([0.9128709, 1.8257419], dtype=float32)]
+    >>> clipped, norm = oc.functional.clip_by_global_norm(grads, 5.0, use_norm=10.0)
+    >>> norm  # the norm given
+    Array(10., dtype=float32)
+    >>> clipped  # clipped by it: a factor of 5 / 10
+    [Array([1.5, 2. ], dtype=float32), Array([0.5, 1. ], dtype=float32)]
   """
   max_norm, p, eps = _check_common("clip_by_global_norm", max_norm, ord, eps)
   _validation.check_specs("clip_by_global_norm", specs, axis_name)
+  if use_norm is not None:
+    use_norm = _check_use_norm("clip_by_global_norm", use_norm)
+    return _clip_by_given_norm("clip_by_global_norm", tree, max_norm, eps,
+                               use_norm)
   clipped, norm, _ = _clip("clip_by_global_norm", tree, max_norm, p, eps,
                            axis_name, specs, per_leaf=False)
   return clipped, norm

@@ -5,6 +5,7 @@ No state, no optax: usable under ``jit``, ``vmap`` (per-example clipping),
 """
 
 from optaxclip._agc import adaptive_grad_clip_fn as adaptive_grad_clip
+from optaxclip._block_rms import clip_by_block_rms_fn as clip_by_block_rms
 from optaxclip._norm_clipping import clip_by_global_norm_fn as clip_by_global_norm
 from optaxclip._norm_clipping import clip_by_norm_fn as clip_by_norm
 from optaxclip._norms import all_finite as all_finite
@@ -20,6 +21,7 @@ __all__ = [
     "PerExampleClip",
     "adaptive_grad_clip",
     "all_finite",
+    "clip_by_block_rms",
     "clip_by_global_norm",
     "clip_by_norm",
     "clip_by_value",

@@ -46,6 +46,8 @@ TRACED = [
     (oc.clip_by_global_norm, {"max_norm": 0.5, "ord": 3.0}, "ord", -1.0, 2.0),
     (oc.clip_by_global_norm, {"max_norm": 0.5, "ord": 3.0}, "ord", math.nan, 2.0),
     (oc.clip_grad_norm, {"max_norm": 0.5}, "max_norm", -1.0, 0.0),
+    (oc.clip_by_block_rms, {"threshold": 0.5}, "threshold", -1.0, 0.0),
+    (oc.clip_by_block_rms, {"threshold": 0.5}, "threshold", math.nan, 0.0),
     (oc.clip_grad_norm, {"max_norm": 0.5, "norm_type": 3.0}, "norm_type", 0.0, 2.0),
     (oc.adaptive_grad_clip, {"clipping": 0.1}, "clipping", -1.0, 0.0),
     (oc.adaptive_grad_clip, {"clipping": 0.1, "eps": 1e-3}, "eps", -1.0, 0.0),

@@ -60,6 +60,8 @@ CASES = {
         {"max_norm": 0.5}, "max_norm"),
     "adaptive_grad_clip": Case(oc.adaptive_grad_clip, {"clipping": 0.05},
                                "clipping"),
+    "clip_by_block_rms": Case(oc.clip_by_block_rms, {"threshold": 0.1},
+                              "threshold"),
     # Learned thresholds: not idempotent, and the first steps already scale.
     "auto_clip": Case(oc.auto_clip, {"percentile": 10.0, "history": 8},
                       "percentile", off=100.0, fixed_threshold=False),

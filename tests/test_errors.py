@@ -29,6 +29,7 @@ FACTORIES = {
     "clip_by_norm": (oc.clip_by_norm, {"max_norm": 1.0}),
     "clip_by_global_norm": (oc.clip_by_global_norm, {"max_norm": 1.0}),
     "clip_grad_norm": (oc.clip_grad_norm, {"max_norm": 1.0}),
+    "clip_by_block_rms": (oc.clip_by_block_rms, {"threshold": 1.0}),
     "adaptive_grad_clip": (oc.adaptive_grad_clip, {"clipping": 0.1}),
     "auto_clip": (oc.auto_clip, {"history": 4}),
     "zclip": (oc.zclip, {"warmup_steps": 2}),
@@ -48,6 +49,8 @@ FUNCTIONS = {
         **{"tree": GRADS, "max_norm": 1.0, **k}),
     "F.clip_by_global_norm": lambda **k: F.clip_by_global_norm(
         **{"tree": GRADS, "max_norm": 1.0, **k}),
+    "F.clip_by_block_rms": lambda **k: F.clip_by_block_rms(
+        **{"tree": GRADS, "threshold": 1.0, **k}),
     "F.adaptive_grad_clip": lambda **k: F.adaptive_grad_clip(
         **{"updates": GRADS, "params": GRADS, "clipping": 0.1, **k}),
     "per_example_clip_by_global_norm": lambda **k: F.per_example_clip_by_global_norm(
@@ -96,6 +99,7 @@ EPS = ["clip_by_norm", "clip_by_global_norm", "F.clip_by_norm",
        "F.clip_by_global_norm", "adaptive_grad_clip", "F.adaptive_grad_clip",
        "auto_clip", "zclip", "adagc"]
 SPECS = ["clip_by_norm", "clip_by_global_norm", "clip_grad_norm",
+         "clip_by_block_rms", "F.clip_by_block_rms",
          "adaptive_grad_clip", "auto_clip", "zclip", "adagc", "skip_step",
          "F.clip_by_norm", "F.clip_by_global_norm", "F.adaptive_grad_clip",
          "global_norm", "per_example_clip_by_global_norm",
@@ -104,10 +108,11 @@ STATEFUL = {"auto_clip": "AutoClipState", "zclip": "ZClipState",
             "adagc": "AdaGCState", "skip_step": "SkipState",
             "dynamic_loss_scale": "LossScaleState",
             "clip_by_norm": "ClipState", "clip_by_global_norm": "ClipState",
-            "clip_grad_norm": "ClipState", "adaptive_grad_clip": "AGCState"}
+            "clip_grad_norm": "ClipState", "adaptive_grad_clip": "AGCState",
+            "clip_by_block_rms": "BlockRMSState"}
 # Accept state=None as a fresh state, as optax's stateless clippers do.
 STATELESS_USE = {"clip_by_norm", "clip_by_global_norm", "clip_grad_norm",
-                 "adaptive_grad_clip"}
+                 "adaptive_grad_clip", "clip_by_block_rms"}
 
 # Values every real-number argument refuses, and how the message shows them.
 NOT_A_NUMBER = [
@@ -158,12 +163,22 @@ BAD_ARGUMENTS = [
     *_rows(THRESHOLDS, "max_norm", NEGATIVE + NOT_A_NUMBER + [
         (None, TypeError, r" must be a real number, got None")]),
     *_rows(["skip_step", "microbatch_guard"], "max_norm", NEGATIVE + NOT_A_NUMBER),
+    *_rows(["clip_by_block_rms", "F.clip_by_block_rms"], "threshold", NEGATIVE + NOT_A_NUMBER + [
+        (None, TypeError, r" must be a real number, got None"),
+        (jnp.array(math.nan), ValueError, r" must be a number >= 0 or inf, got Array\(nan")]),
     *_rows(["zclip"], "max_grad_norm", NEGATIVE),
     *_rows(["adagc"], "lambda_abs", NEGATIVE),
     *_rows(["skip_step"], "zscore", NEGATIVE + [
         ("6", TypeError, r" must be a real number, got '6'")]),
     *_rows(THRESHOLDS[:3], "max_norm", [
         (jnp.array(math.nan), ValueError, r" must be a number >= 0 or inf, got Array\(nan")]),
+    # a norm measured beforehand: >= 0; NaN and inf pass on, as norms do
+    *_rows(["F.clip_by_global_norm"], "use_norm", [
+        (-1.0, ValueError, r" must be a norm: a number >= 0 \(NaN and inf are "
+         r"passed on as the norm of non-finite gradients\), got -1.0"),
+        (-math.inf, ValueError, r" must be a norm: a number >= 0 .*, got -inf"),
+        (jnp.array(-1.0), ValueError, r" must be a norm: .*, got Array\(-1\."),
+    ] + NOT_A_NUMBER),
     *_rows(ORDERS + ["microbatch_guard"], "ord", ORD),
     *_rows(["clip_grad_norm"], "norm_type", ORD),
     *_rows(EPS, "eps", NEGATIVE_FINITE),
@@ -266,6 +281,7 @@ BAD_ARGUMENTS = [
          r"got 'adamw'")]),
     # --- distribution --------------------------------------------------------
     *_rows(["clip_by_norm", "clip_by_global_norm", "clip_grad_norm",
+            "clip_by_block_rms", "F.clip_by_block_rms",
             "adaptive_grad_clip", "auto_clip", "zclip", "adagc", "skip_step",
             "dynamic_loss_scale", "microbatch_guard", "all_finite", "global_norm"],
            "axis_name", AXIS_NAME),
@@ -325,6 +341,8 @@ BAD_ARGUMENTS = [
           ("global_norm", "tree", "tree"), ("all_finite", "tree", "tree"),
           ("F.clip_by_value", "tree", "the tree"), ("F.clip_by_norm", "tree", "the tree"),
           ("F.clip_by_global_norm", "tree", "the tree"),
+          ("F.clip_by_block_rms", "tree", "the tree"),
+          ("clip_by_block_rms.update", "updates", "the tree"),
           ("F.adaptive_grad_clip", "updates", "updates"),
           ("per_example_clip_by_global_norm", "grads", "grads"),
           ("per_example_clip_by_layer_norm", "grads", "grads"),

@@ -12,7 +12,7 @@ import optaxclip as oc
 
 PACKAGE = pathlib.Path(oc.__file__).parent
 # Modules that define a transform (a public builder); the rest are neutral.
-TRANSFORMS = {"_adagc", "_agc", "_autoclip", "_loss_scale", "_microbatch",
+TRANSFORMS = {"_adagc", "_agc", "_autoclip", "_block_rms", "_loss_scale", "_microbatch",
               "_norm_clipping", "_per_example", "_skip", "_value", "_zclip"}
 # Not yet moved off _norm_clipping's old names for the shared helpers.
 PENDING = {("_agc", "_norm_clipping"), ("_per_example", "_norm_clipping")}
@@ -35,7 +35,7 @@ def test_no_transform_imports_another_transforms_module(module):
   assert not others, f"{module} imports {others}: share code through a neutral module"
 
 
-STATES = [oc.ClipState, oc.AutoClipState, oc.ZClipState, oc.AdaGCState,
+STATES = [oc.ClipState, oc.BlockRMSState, oc.AutoClipState, oc.ZClipState, oc.AdaGCState,
           oc.SkipStats, oc.SkipState, oc.LossScaleState,
           oc.LossScaleWrapperState, oc.MicrobatchGuardState]
 

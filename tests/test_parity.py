@@ -199,6 +199,7 @@ EAGER_ALL = os.environ.get("OPTAXCLIP_PARITY_EAGER", "") not in ("", "0")
 EAGER_NAMES = frozenset({
     "5leaves_s1-pinf-half", "2leaves_zeros-p2-tiny", "5leaves_s1-half_max",
     "mat45_vec3_s1-half_median_leaf", "5leaves_s1-asym_lo_small",
+    "5leaves_s1-use_double", "2leaves_zeros-use0-tiny",
 })
 
 def _eager_subset(case) -> bool:
@@ -253,6 +254,10 @@ def _norm_fns(_, g, max_norm):
   return F.clip_by_norm(g, max_norm), updates
 
 
+def _use_norm_fns(eps, g, max_norm, use_norm):
+  return F.clip_by_global_norm(g, max_norm, eps=eps, use_norm=use_norm)
+
+
 @pytest.mark.parametrize("mode,case", _golden_params(TORCH, "clip_grad_norm_"))
 def test_golden_torch_clip_grad_norm(mode, case):
   g = _as_tree(_np_leaves(TORCH, case["tree"]))
@@ -263,6 +268,16 @@ def test_golden_torch_clip_grad_norm(mode, case):
   _check_tree(tol, updates, _expected(case), "transform oc.clip_grad_norm", like=g)
   _check(tol, norm, case["total_norm"], "functional: total norm")
   _check_tree(tol, clipped, _expected(case), "functional F.clip_by_global_norm", like=g)
+
+
+@pytest.mark.parametrize("mode,case", _golden_params(TORCH, "clip_grads_with_norm_"))
+def test_golden_torch_clip_grads_with_norm(mode, case):
+  g = _as_tree(_np_leaves(TORCH, case["tree"]))
+  clipped, norm = _run(mode, _use_norm_fns, TORCH_EPS, g, case["max_norm"],
+                       case["total_norm"])
+  _check("torch", norm, case["total_norm"], "functional: the given norm")
+  _check_tree("torch", clipped, _expected(case),
+              "functional F.clip_by_global_norm(use_norm=...)", like=g)
 
 
 @pytest.mark.parametrize("mode,case", _golden_params(TORCH, "clip_grad_value_"))
@@ -282,6 +297,16 @@ def test_golden_tf_clip_by_global_norm(mode, case):
   _check_tree("tensorflow", clipped, _expected(case), "functional F.clip_by_global_norm", like=g)
   _check("tensorflow", state_norm, case["global_norm"], "transform: state norm")
   _check_tree("tensorflow", updates, _expected(case), "transform oc.clip_by_global_norm", like=g)
+
+
+@pytest.mark.parametrize("mode,case", _golden_params(TF, "clip_by_global_norm_use_norm"))
+def test_golden_tf_clip_by_global_norm_use_norm(mode, case):
+  g = _as_tree(_np_leaves(TF, case["tree"]))
+  clipped, norm = _run(mode, _use_norm_fns, 0.0, g, case["clip_norm"],
+                       case["use_norm"])
+  _check("tensorflow", norm, case["use_norm"], "functional: the given norm")
+  _check_tree("tensorflow", clipped, _expected(case),
+              "functional F.clip_by_global_norm(use_norm=...)", like=g)
 
 
 @pytest.mark.parametrize("mode,case", _golden_params(TF, "clip_by_norm"))
@@ -457,6 +482,63 @@ def test_large_tensor_norm_within_ulps_of_exact(norm_type):
   torch = importlib.import_module("torch")
   total = torch.nn.utils.get_total_norm([torch.tensor(x)], norm_type).numpy()
   assert _ulps(norm, total) <= _ulps(total, exact) + ulps, (norm, total, exact)
+
+
+# A given norm below, at and above the true one, and 0: (factor, max_norm
+# as a multiple of the true norm).
+USE_NORMS = [(0.5, 1.0), (1.0, 0.5), (2.0, 1.0), (0.0, 1.0)]
+
+
+@pytest.mark.parametrize("seed", SEEDS, ids=SEED_IDS)
+def test_live_torch_clip_grads_with_norm(seed):
+  torch = pytest.importorskip("torch")
+  leaves = _random_leaves(seed)
+  g = _as_tree(leaves, _kind(seed))
+  norm = _np_norm(leaves, 2.0)
+  for factor, of_max in USE_NORMS:
+    use_norm, max_norm = _f32(factor * norm), _f32(of_max * norm)
+    params = _torch_params(torch, leaves)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm,
+                                         torch.tensor(use_norm))
+    expected = [prm.grad.numpy() for prm in params]
+    clipped, got = _run("jit", _use_norm_fns, TORCH_EPS, g, max_norm, use_norm)
+    what = f"use_norm = {factor} x norm, max_norm = {of_max} x norm"
+    _check("torch", got, use_norm, f"{what}: the given norm")
+    _check_tree("torch", clipped, expected, what, like=g)
+
+
+@pytest.mark.parametrize("seed", SEEDS, ids=SEED_IDS)
+def test_live_torch_split_api_equals_clip_grad_norm(seed):
+  """``get_total_norm`` + ``clip_grads_with_norm_`` (torch's split form)
+  against ``F.global_norm`` + ``use_norm``."""
+  torch = pytest.importorskip("torch")
+  leaves = _random_leaves(seed)
+  g = _as_tree(leaves, _kind(seed))
+  max_norm = _f32(0.5 * _np_norm(leaves, 2.0))
+  params = _torch_params(torch, leaves)
+  total = torch.nn.utils.get_total_norm([prm.grad for prm in params])
+  torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+  expected = [prm.grad.numpy() for prm in params]
+  clipped, _ = F.clip_by_global_norm(g, max_norm, eps=TORCH_EPS,
+                                     use_norm=F.global_norm(g))
+  _check_tree("torch", clipped, expected, "split form", like=g)
+
+
+@pytest.mark.parametrize("seed", SEEDS, ids=SEED_IDS)
+def test_live_tensorflow_use_norm(seed):
+  tf = pytest.importorskip("tensorflow")
+  leaves = _random_leaves(seed)
+  g = _as_tree(leaves, _kind(seed))
+  norm = _np_norm(leaves, 2.0)
+  for factor, of_max in USE_NORMS:
+    use_norm, c = _f32(factor * norm), _f32(of_max * norm)
+    exp_clipped, exp_norm = tf.clip_by_global_norm(
+        [tf.constant(x) for x in leaves], c, use_norm=tf.constant(use_norm))
+    expected = [x.numpy() for x in exp_clipped]
+    clipped, got = _run("jit", _use_norm_fns, 0.0, g, c, use_norm)
+    what = f"use_norm = {factor} x norm, clip_norm = {of_max} x norm"
+    _check("tensorflow", got, float(exp_norm), f"{what}: the given norm")
+    _check_tree("tensorflow", clipped, expected, what, like=g)
 
 
 @pytest.mark.parametrize("seed", SEEDS, ids=SEED_IDS)

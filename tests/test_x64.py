@@ -48,6 +48,9 @@ CASES = {
     "clip_by_norm": (lambda: oc.clip_by_norm(1.0), [HUGE], lambda: clipped_to(1.0)),
     "clip_grad_norm": (lambda: oc.clip_grad_norm(1.0), [HUGE],
                        lambda: clipped_to(1.0)),
+    # An RMS of 5e40 / sqrt(2), clipped to 1.
+    "clip_by_block_rms": (lambda: oc.clip_by_block_rms(1.0), [HUGE],
+                          lambda: clipped_to(2 ** 0.5)),
     # The median of 5 and 5e40.
     "auto_clip": (lambda: oc.auto_clip(50.0), [[3.0, 4.0], HUGE],
                   lambda: clipped_to(2.5e40)),

@@ -140,6 +140,20 @@ def per_leaf_thresholds(leaves) -> list[tuple[str, float]]:
   ] + fixed
 
 
+def use_norm_cases(norm: float) -> list[tuple[str, float, float]]:
+  """``(label, max_norm, use_norm)``: a given norm below, above and at the
+  true one, and 0; for a zero tree, 0 and a norm it does not have."""
+  if norm == 0.0:
+    return [("use0-tiny", f32(TINY), 0.0), ("use0-large", f32(LARGE), 0.0),
+            ("use1-tiny", f32(TINY), 1.0)]
+  return [
+      ("use_half", f32(norm), f32(0.5 * norm)),  # below max_norm: unchanged
+      ("use_double", f32(norm), f32(2.0 * norm)),  # clipped by one half
+      ("use_true-half", f32(0.5 * norm), f32(norm)),  # as without use_norm
+      ("use0", f32(norm), 0.0),
+  ]
+
+
 def norm_name(p: float) -> str:
   return "inf" if math.isinf(p) else str(int(p))
 
@@ -188,6 +202,19 @@ def torch_clip_grad_norm(leaves, max_norm, norm_type):
   return float(total), [p.grad.numpy().copy() for p in params]
 
 
+def torch_clip_grads_with_norm(leaves, max_norm, total_norm):
+  import torch
+
+  params = []
+  for x in leaves:
+    p = torch.nn.Parameter(torch.zeros(x.shape, dtype=torch.float32))
+    p.grad = torch.tensor(np.array(x, np.float32))
+    params.append(p)
+  torch.nn.utils.clip_grads_with_norm_(
+      params, max_norm, torch.tensor(total_norm, dtype=torch.float32))
+  return [p.grad.numpy().copy() for p in params]
+
+
 def torch_clip_grad_value(leaves, clip_value):
   import torch
 
@@ -210,10 +237,20 @@ def gen_torch(trees) -> dict:
       "trees": serialize_trees(trees),
       "clip_grad_norm_": [],
       "clip_grad_value_": [],
+      "clip_grads_with_norm_": [],
   }
   add_example_trees(out["trees"])
   for tname, t in trees.items():
     leaves = t["leaves"]
+    for label, max_norm, use_norm in use_norm_cases(true_norm(leaves, 2.0)):
+      out["clip_grads_with_norm_"].append({
+          "name": f"{tname}-{label}",
+          "tree": tname,
+          "max_norm": max_norm,
+          "total_norm": use_norm,
+          "clipped": [to_list(c) for c in
+                      torch_clip_grads_with_norm(leaves, max_norm, use_norm)],
+      })
     for p in NORM_TYPES:
       for label, max_norm in norm_thresholds(true_norm(leaves, p)):
         total, clipped = torch_clip_grad_norm(leaves, max_norm, p)
@@ -274,11 +311,25 @@ def gen_tensorflow(trees) -> dict:
       "clip_by_global_norm": [],
       "clip_by_norm": [],
       "clip_by_value": [],
+      "clip_by_global_norm_use_norm": [],
   }
   add_example_trees(out["trees"])
 
   def tf_leaves(leaves):
     return [tf.constant(np.array(x, np.float32)) for x in leaves]
+
+  for tname, t in trees.items():
+    leaves = t["leaves"]
+    for label, c, use_norm in use_norm_cases(true_norm(leaves, 2.0)):
+      clipped, returned = tf.clip_by_global_norm(
+          tf_leaves(leaves), c, use_norm=tf.constant(use_norm, tf.float32))
+      out["clip_by_global_norm_use_norm"].append({
+          "name": f"{tname}-{label}",
+          "tree": tname,
+          "clip_norm": c,
+          "use_norm": f32(returned.numpy()),
+          "clipped": [to_list(x.numpy()) for x in clipped],
+      })
 
   def global_norm_case(name, tname, leaves, c):
     clipped, gnorm = tf.clip_by_global_norm(tf_leaves(leaves), c)

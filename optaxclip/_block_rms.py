@@ -1,0 +1,247 @@
+"""Clipping each leaf (block) by its root mean square: ``optax.clip_by_block_rms``.
+
+Each floating leaf ``u`` of ``n`` entries has ``rms = sqrt(sum |u|**2 / n)``
+and is multiplied by ``s = threshold / rms`` when ``rms > threshold``, else
+by 1: optax's ``u / max(1, rms / threshold)``, computed as one factor per
+leaf. The norm is the library's (``_norms``): accumulated in float32 at
+least and overflow-safe, so bf16/fp16 leaves and entries above ~1.8e19 get
+the right RMS where optax's squares overflow (its update is then 0). Norm ->
+factor -> scale -> state, as every clipper here.
+"""
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from optaxclip import (
+    _counters,
+    _norms,
+    _running_stats,
+    _scaling,
+    _stats,
+    _tree,
+    _validation,
+)
+from optaxclip._types import AxisName, Scalar
+
+PyTree = Any
+
+
+class BlockRMSState(NamedTuple):
+  """State of ``clip_by_block_rms``; every field is a scalar.
+
+  ``float`` below is float32, or float64 when x64 is on and ``init`` was
+  given float64 parameters.
+
+  Attributes:
+    rms: float ``[]``: the largest leaf RMS of the last update (NaN if a
+      leaf's was).
+    scale: float ``[]``: the smallest factor applied last step (1.0: no
+      leaf clipped).
+    count: int32 ``[]``: steps seen.
+    clipped_count: int32 ``[]``: steps with finite RMSs and a leaf clipped.
+    nonfinite_count: int32 ``[]``: steps with a NaN or Inf RMS.
+  """
+  rms: jax.Array
+  scale: jax.Array
+  count: jax.Array
+  clipped_count: jax.Array
+  nonfinite_count: jax.Array
+
+  @classmethod
+  def fresh(cls, dtype: jax.typing.DTypeLike) -> "BlockRMSState":
+    """The state before the first step, its floats in ``dtype``."""
+    return cls(rms=jnp.zeros([], dtype), scale=jnp.ones([], dtype),
+               count=_counters.zero(), clipped_count=_counters.zero(),
+               nonfinite_count=_counters.zero())
+
+
+_stats.register(BlockRMSState, "block_rms",
+                extras=lambda state: {"clip_rate": _counters.clip_rate(state)})
+
+
+def _block_rms_factors(norms: jax.Array, sizes: np.ndarray,
+                       threshold: Any) -> tuple[jax.Array, jax.Array]:
+  """``(rms, factor)`` of blocks from their 2-norms and sizes, elementwise.
+
+  Any shapes that broadcast: one value per leaf now, one per layer slice
+  where a leaf stacks layers. An empty block has RMS 0, not 0/0.
+  """
+  roots = np.sqrt(np.where(sizes > 0, sizes, 1)).astype(norms.dtype)
+  # rms > threshold  <=>  norm > threshold * sqrt(n): the factor divides the
+  # norm itself, so no division by a constant (which XLA turns into a
+  # multiply by its rounded reciprocal under jit only) makes jit and eager
+  # results differ.
+  factors = _scaling.clip_factor(norms, jnp.multiply(threshold, roots), 0.0)
+  return norms / roots, factors
+
+
+def _global_sizes(leaves: list[jax.Array],
+                  reduction: _norms.Reduction) -> np.ndarray:
+  """Each leaf's number of entries across the devices it is split over.
+
+  Under ``shard_map``/``pmap`` a leaf holds a shard: its whole size is the
+  shard's times the size of every named axis it is split on (all of them,
+  less those ``specs`` replicate it on).
+  """
+  sizes = []
+  for i, x in enumerate(leaves):
+    replicated = (() if reduction.replicated_axes is None
+                  else reduction.replicated_axes[i])
+    size = math.prod(x.shape)
+    for axis in reduction.axis_names:
+      if axis not in replicated:
+        size *= lax.axis_size(axis)
+    sizes.append(size)
+  return np.asarray(sizes, np.float64)
+
+
+def _leaf_rms(leaves: list[jax.Array], reduction: _norms.Reduction,
+              threshold: Any) -> tuple[jax.Array, jax.Array]:
+  """``(rms, factor)`` of every leaf, finite for finite leaves.
+
+  The norm of a leaf overflows float32 where its RMS need not (entries near
+  the largest float, ``n >= 2``). Only then (a ``lax.cond``) the norms are
+  taken again of the leaves times ``2**-k``, ``2**k >= sqrt(n)``, which
+  cannot overflow: the same formulas with ``n / 4**k`` entries (exact
+  powers of two) give the RMS and factor. An Inf entry keeps an Inf norm.
+  """
+  sizes = _global_sizes(leaves, reduction)
+  norms = _norms.leaf_norms(leaves, 2, reduction)
+  plain = _block_rms_factors(norms, sizes, threshold)
+  overflowed = jnp.isinf(norms)
+  if not leaves or not _norms.BUILD_RESCUE:
+    return plain
+
+  def rescued():
+    shifts = np.ceil(np.log2(np.where(sizes > 0, sizes, 1)) / 2)
+    scaled = [x * jnp.asarray(2.0 ** -k, x.dtype) for x, k in zip(leaves, shifts)]
+    rms, factors = _block_rms_factors(_norms.leaf_norms(scaled, 2, reduction),
+                                      sizes / 4.0 ** shifts, threshold)
+    return (jnp.where(overflowed, rms, plain[0]),
+            jnp.where(overflowed, factors, plain[1]))
+
+  return lax.cond(jnp.any(overflowed), rescued, lambda: plain)
+
+
+def _clip(fn: str, tree: PyTree, threshold, axis_name, specs
+          ) -> tuple[PyTree, jax.Array, jax.Array]:
+  """The clipped tree, and the RMS and factor of every clippable leaf."""
+  _validation.check_tree(fn, "the tree", tree)
+  reduction = _norms.make_reduction(fn, tree, axis_name, specs)
+  leaves = _tree.clippable_leaves(tree)
+  rms, factors = _leaf_rms(leaves, reduction, threshold)
+  return _scaling.scale_leaves(tree, factors), rms, factors
+
+
+def clip_by_block_rms_fn(tree: PyTree, threshold: Scalar, *,
+                         axis_name: AxisName = None,
+                         specs: PyTree = None) -> PyTree:
+  """Clips every leaf of ``tree`` so that its RMS is at most ``threshold``.
+
+  Each floating leaf ``u`` of ``n`` entries is multiplied by
+  ``threshold / rms`` when ``rms = sqrt(sum |u|**2 / n)`` exceeds
+  ``threshold``: ``optax.clip_by_block_rms``'s numbers, to a few float32
+  ulps, with the RMS accumulated in float32 and overflow-safe (finite for
+  entries of any magnitude, where optax's squares overflow). Zero leaves
+  stay zero, even with ``threshold = 0`` (where optax gives NaN). Integer
+  and boolean leaves pass through.
+
+  Traced (inside ``jit``), a negative or NaN ``threshold`` acts as 0: every
+  leaf becomes zero.
+
+  Args:
+    tree: a pytree of arrays.
+    threshold: the largest RMS a leaf may keep (a number >= 0; ``inf`` never
+      clips).
+    axis_name: under ``shard_map``/``pmap``, the axis name(s) leaves are split
+      over: each leaf's RMS is then that of the whole leaf (one all-reduce).
+    specs: with ``axis_name``, the leaves' ``PartitionSpec`` (tree prefix):
+      leaves replicated on an axis are counted once.
+
+  Returns:
+    The clipped tree, with each leaf's dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optaxclip as oc
+    >>> grads = {"w": jnp.array([3.0, 4.0]), "b": jnp.array([0.5, -0.5])}
+    >>> clipped = oc.functional.clip_by_block_rms(grads, 1.0)
+    >>> clipped["w"], clipped["b"]  # rms 3.54: scaled by 1 / 3.54; rms 0.5: kept
+    (Array([0.8485281, 1.1313708], dtype=float32), Array([ 0.5, -0.5], dtype=float32))
+    >>> oc.functional.clip_by_block_rms([jnp.full(4, 1e20)], 1.0)  # no overflow
+    [Array([1., 1., 1., 1.], dtype=float32)]
+  """
+  fn = "clip_by_block_rms"
+  threshold = _validation.check_nonnegative(fn, "threshold", threshold,
+                                            allow_inf=True)
+  _validation.check_specs(fn, specs, axis_name)
+  clipped, _, _ = _clip(fn, tree, threshold, axis_name, specs)
+  return clipped
+
+
+def clip_by_block_rms(threshold: Scalar, *, axis_name: AxisName = None,
+                      specs: PyTree = None) -> optax.GradientTransformation:
+  """Clips every leaf of the updates to an RMS of at most ``threshold``.
+
+  A drop-in for ``optax.clip_by_block_rms`` (the transform form of
+  ``optaxclip.functional.clip_by_block_rms``: the same numbers to a few
+  float32 ulps, finite where optax's overflow or divide 0 by 0), whose state
+  (``BlockRMSState``) logs the largest leaf RMS and the smallest factor.
+  Like optax's, its ``update`` accepts ``state=None`` (as a fresh state).
+
+  Hyperparameters injected with ``optax.inject_hyperparams`` are checked
+  when ``init`` runs eagerly. Traced (a jitted update after a change of the
+  state's hyperparameters), a negative or NaN ``threshold`` acts as 0 (the
+  update is zero).
+
+  Args:
+    threshold: the largest RMS a leaf may keep (a number >= 0; ``inf``
+      never clips).
+    axis_name: under ``shard_map``/``pmap``, the axis name(s) the updates are
+      split over: each leaf's RMS is that of the whole leaf (one all-reduce).
+    specs: with ``axis_name``, the updates' ``PartitionSpec`` (tree prefix).
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is a ``BlockRMSState``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optaxclip as oc
+    >>> tx = oc.clip_by_block_rms(1.0)
+    >>> grads = {"w": jnp.array([3.0, 4.0]), "b": jnp.array([0.5, -0.5])}
+    >>> updates, state = tx.update(grads, tx.init(grads))
+    >>> updates["w"]
+    Array([0.8485281, 1.1313708], dtype=float32)
+    >>> state.rms, state.scale  # the largest leaf RMS, the smallest factor
+    (Array(3.535534, dtype=float32), Array(0.2828427, dtype=float32))
+  """
+  fn = "clip_by_block_rms"
+  threshold = _validation.check_nonnegative(fn, "threshold", threshold,
+                                            allow_inf=True)
+  _validation.check_specs(fn, specs, axis_name)
+
+  def init_fn(params):
+    return BlockRMSState.fresh(_running_stats.statistics_dtype(params))
+
+  def update_fn(updates, state, params=None):
+    del params
+    if state is None:  # stateless use, as optax's allows: a fresh state
+      state = init_fn(None)
+    _validation.check_state(fn, state, BlockRMSState)
+    clipped, rms, factors = _clip(fn, updates, threshold, axis_name, specs)
+    largest = jnp.max(rms, initial=0)  # NaN if any leaf's is
+    smallest = jnp.min(factors, initial=1)
+    new_state = BlockRMSState(
+        rms=largest.astype(state.rms.dtype),
+        scale=smallest.astype(state.scale.dtype),
+        **_counters.step_counts(state, finite=jnp.isfinite(largest),
+                                clipped=smallest < 1))
+    return clipped, new_state
+
+  return optax.GradientTransformation(init_fn, update_fn)
