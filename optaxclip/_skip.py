@@ -320,9 +320,10 @@ def _checked_loss(fn: str, loss: Any, dtype: jnp.dtype) -> jax.Array:
       isinstance(loss, numbers.Real) or hasattr(loss, "dtype")):
     raise TypeError(f"{where} must be a real scalar (the step's loss), got "
                     f"{loss!r:.80} of type {type(loss).__name__}")
-  if jnp.shape(loss) != ():
+  shape = tuple(getattr(loss, "shape", ()))
+  if shape != ():
     raise TypeError(f"{where} must be a scalar (the step's loss), got an "
-                    f"array of shape {jnp.shape(loss)}; pass one number, "
+                    f"array of shape {shape}; pass one number, "
                     f"e.g. loss=jnp.mean(per_example_losses)")
   kind = jnp.result_type(loss)
   if not (jnp.issubdtype(kind, jnp.floating) or jnp.issubdtype(kind, jnp.integer)):
