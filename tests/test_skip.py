@@ -16,6 +16,7 @@ from outliers import (
   assert_finite,
   gradients_through_updates,
   norms_with_outlier,
+  ordinary_norms,
   outlier_step,
   over_outlier_sizes,
   scan_of,
@@ -798,3 +799,19 @@ def test_injected_loss_zscore_that_is_not_positive_acts_as_inf():
     assert np.all(np.asarray(updates["w"]) != 0), bad  # no z-score test
     updates, after = step(grads, injected, params, loss=jnp.nan)
     assert np.all(np.asarray(updates["w"]) == 0), bad  # NaN still skips
+
+
+def test_a_loss_outlier_late_in_the_warmup_counts_as_at_most_100_levels():
+  """Winsorized: a 1e4 outlier at step 40 of a 50-step warm-up moves the
+  statistics by at most 100 levels (|mean| + std), so a loss 1e3 above the
+  usual is a spike right after the warm-up (fed in full, the outlier would
+  raise the std to ~1e3, or start the statistics and their warm-up again)."""
+  losses = ordinary_norms(52)
+  losses[40] *= 1e4
+  losses[51] *= 1e3
+  tx = skip_step(optax.sgd(1.0), loss_zscore=6.0, warmup_steps=50)
+  _, states = scan_with_losses(tx)(trees_with_norms(np.ones(52)),
+                                   jnp.asarray(losses, jnp.float32))
+  assert float(states.stats.loss_mean[40]) < 1 + 100 * 1.2
+  skipped = np.flatnonzero(np.asarray(states.stats.skipped_by_loss))
+  assert skipped.tolist() == [51]
