@@ -47,8 +47,6 @@ from optaxclip import (
 )
 from optaxclip._types import AxisName, Ord, Scalar
 
-_NEEDS_LOSS_ZSCORE = "a number > 0 or inf"
-
 PyTree = Any
 
 
@@ -239,10 +237,14 @@ def _decide(stats: SkipStats, norm: jax.Array, *, nonfinite: bool,
   return skip, too_large, spike
 
 
-def _loss_zscore(stats: SkipStats, loss: jax.Array,
-                 warmup_steps: Scalar) -> tuple[jax.Array, jax.Array]:
-  """``(z, active)``: the z-score of ``loss`` against the loss statistics
-  (0 in the warm-up for a finite loss), and whether the warm-up is over."""
+def _decide_loss(stats: SkipStats, loss: jax.Array, *,
+                 loss_zscore: Scalar | None, warmup_steps: Scalar
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(skip, spike, z)`` for a step with ``loss`` (in the statistics'
+  dtype): whether its loss skips it (never without ``loss_zscore``),
+  whether as a spike, and its z-score (0 in the warm-up for a finite loss).
+  """
+  finite = jnp.isfinite(loss)
   active = stats.loss_ema_count >= jnp.maximum(warmup_steps, 1)
   std = _running_stats.safe_sqrt(stats.loss_var)
   deviation = loss - stats.loss_mean
@@ -250,7 +252,13 @@ def _loss_zscore(stats: SkipStats, loss: jax.Array,
   # +-inf above or below a zero std (a constant history), NaN stays NaN.
   z = jnp.where(positive, deviation / jnp.where(positive, std, 1),
                 jnp.where(deviation == 0, 0, jnp.sign(deviation) * jnp.inf))
-  return jnp.where(active | ~jnp.isfinite(loss), z, 0).astype(loss.dtype), active
+  z = jnp.where(active | ~finite, z, 0).astype(loss.dtype)
+  if loss_zscore is None:
+    return jnp.zeros([], bool), jnp.zeros([], bool), z
+  # A product, not z: at loss_zscore=inf nothing is a spike (inf * 0 is NaN).
+  spike = finite & active & (
+      deviation > jnp.asarray(loss_zscore, loss.dtype) * std)
+  return ~finite | spike, spike, z
 
 
 def step(stats: SkipStats, norm: jax.Array, *, nonfinite: bool,
@@ -266,21 +274,14 @@ def step(stats: SkipStats, norm: jax.Array, *, nonfinite: bool,
                                       max_norm=max_norm, zscore=zscore,
                                       warmup_steps=warmup_steps)
   count_if = _counters.count_if
-  by_loss = jnp.zeros([], bool)
-  loss_fields = {}
+  by_loss, loss_fields = jnp.zeros([], bool), {}
   if loss is not None:
-    z, active = _loss_zscore(stats, loss, warmup_steps)
-    loss_finite = jnp.isfinite(loss)
-    loss_spike = jnp.zeros([], bool)
-    if loss_zscore is not None:
-      limit = (jnp.asarray(loss_zscore, loss.dtype) *
-               _running_stats.safe_sqrt(stats.loss_var))
-      loss_spike = loss_finite & active & (loss - stats.loss_mean > limit)
-      by_loss = ~loss_finite | loss_spike
+    by_loss, loss_spike, z = _decide_loss(stats, loss, loss_zscore=loss_zscore,
+                                          warmup_steps=warmup_steps)
     loss_fields = {
         "loss": loss, "loss_zscore": z,
         "loss_zscore_count": count_if(loss_spike, stats.loss_zscore_count),
-        "loss_nonfinite_count": count_if(~loss_finite,
+        "loss_nonfinite_count": count_if(~jnp.isfinite(loss),
                                          stats.loss_nonfinite_count)}
   skip = by_norm | by_loss
   finite = jnp.isfinite(norm)
@@ -308,7 +309,7 @@ def _check_loss_zscore(fn: str, value: Any) -> Any:
     number = number.astype(jnp.promote_types(number.dtype, jnp.float32))
     return jnp.where(number > 0, number, jnp.inf)
   if math.isnan(number) or number <= 0:
-    raise ValueError(f"`{fn}(loss_zscore=...)` must be {_NEEDS_LOSS_ZSCORE}, "
+    raise ValueError(f"`{fn}(loss_zscore=...)` must be a number > 0 or inf, "
                      f"got {value!r}; large runs use about 6")
   return value
 
