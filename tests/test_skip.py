@@ -815,3 +815,15 @@ def test_a_loss_outlier_late_in_the_warmup_counts_as_at_most_100_levels():
   assert float(states.stats.loss_mean[40]) < 1 + 100 * 1.2
   skipped = np.flatnonzero(np.asarray(states.stats.skipped_by_loss))
   assert skipped.tolist() == [51]
+
+
+@pytest.mark.parametrize("loss", [2.0, 3, np.float64(2.0), jnp.bfloat16(2.0),
+                                  jnp.float16(2.0)])
+def test_state_keeps_its_dtypes_whatever_the_loss_type(loss):
+  """A Python, numpy, integer or half-precision loss: the state's fields
+  keep init's shapes, dtypes and weak types (no retrace, donation works)."""
+  tx = make(loss_zscore=6.0)
+  state = tx.init(tree_like())
+  _, new = jax.jit(tx.update)(tree_like(), state, tree_like(), loss=loss)
+  assert signature(new) == signature(state)
+  assert float(new.stats.loss) == float(loss)
