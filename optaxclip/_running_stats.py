@@ -18,8 +18,11 @@ exactly the reference numbers:
   in a row more than ``OUTLIER_RATIO`` times below their mean, as after an
   outlier too early to be recognised (the first value): the transform then
   starts them again;
-- ``capped_signed`` and ``far_from``: the same two for values of any sign
-  (a loss), against the level ``|mean| + std``;
+- ``capped_signed`` and ``far_from``: ``capped`` and ``far_below`` for
+  values of any sign (a loss): the cap is ``OUTLIER_RATIO`` times the level
+  ``|mean| + std`` away from the mean, and a value is far from a level
+  more than ``OUTLIER_RATIO`` times its own size away (``streak_of``
+  counts those streaks);
 - ``ema``: the EMA step, with the variance saturating at the largest float
   rather than overflowing, so that statistics are always finite;
 - ``safe_sqrt``: the standard deviation, with a finite gradient at a zero
