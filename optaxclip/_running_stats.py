@@ -18,6 +18,11 @@ exactly the reference numbers:
   in a row more than ``OUTLIER_RATIO`` times below their mean, as after an
   outlier too early to be recognised (the first value): the transform then
   starts them again;
+- ``capped_signed`` and ``far_from``: ``capped`` and ``far_below`` for
+  values of any sign (a loss): the cap is ``OUTLIER_RATIO`` times the level
+  ``|mean| + std`` away from the mean, and a value is far from a level
+  more than ``OUTLIER_RATIO`` times its own size away (``streak_of``
+  counts those streaks);
 - ``ema``: the EMA step, with the variance saturating at the largest float
   rather than overflowing, so that statistics are always finite;
 - ``safe_sqrt``: the standard deviation, with a finite gradient at a zero
@@ -106,7 +111,13 @@ def stale_streak(streak: jax.Array, value: jax.Array, mean: jax.Array,
   steps leave it unchanged. Returns the new streak (0 after a restart) and
   whether it reached ``RESTART_AFTER`` at this step.
   """
-  far = far_below(value, mean)
+  return streak_of(streak, far_below(value, mean), counts)
+
+
+def streak_of(streak: jax.Array, far: jax.Array,
+              counts: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``stale_streak`` for a given ``far`` (whether this step's value is far
+  from the statistics' level)."""
   streak = jnp.where(counts, jnp.where(far, streak + 1, 0), streak)
   restart = streak >= RESTART_AFTER
   return jnp.where(restart, 0, streak).astype(jnp.int32), restart
@@ -115,6 +126,28 @@ def stale_streak(streak: jax.Array, value: jax.Array, mean: jax.Array,
 def far_above(value: jax.Array, level: jax.Array) -> jax.Array:
   """Whether ``value`` is more than ``OUTLIER_RATIO`` times ``level``."""
   return value > jnp.asarray(OUTLIER_RATIO, level.dtype) * level
+
+
+def capped_signed(value: jax.Array, mean: jax.Array,
+                  std: jax.Array) -> jax.Array:
+  """``value``, within ``OUTLIER_RATIO * (|mean| + std)`` of ``mean``
+  where that is > 0 (winsorized), for values of any sign.
+
+  The distance is at most half the largest float, so that ``value - mean``
+  (two finite values of opposite signs) never overflows in ``ema``.
+  """
+  limit = jnp.minimum(jnp.asarray(OUTLIER_RATIO, mean.dtype) *
+                      (jnp.abs(mean) + std), jnp.finfo(mean.dtype).max / 2)
+  return jnp.where(limit > 0, jnp.clip(value, mean - limit, mean + limit),
+                   value)
+
+
+def far_from(value: jax.Array, level: jax.Array) -> jax.Array:
+  """Whether ``|value - level| > OUTLIER_RATIO * |value|``: ``value`` is
+  tiny against ``level`` (for values >= 0, ``far_below`` with a ratio of
+  ``OUTLIER_RATIO + 1``), of either sign."""
+  return (jnp.abs(value - level) >
+          jnp.asarray(OUTLIER_RATIO, value.dtype) * jnp.abs(value))
 
 
 def robust_moments(values: jax.Array) -> tuple[jax.Array, jax.Array]:

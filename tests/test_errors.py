@@ -170,6 +170,23 @@ BAD_ARGUMENTS = [
     *_rows(["adagc"], "lambda_abs", NEGATIVE),
     *_rows(["skip_step"], "zscore", NEGATIVE + [
         ("6", TypeError, r" must be a real number, got '6'")]),
+    *_rows(["skip_step"], "loss_zscore", [
+        (0.0, ValueError, r" must be a number > 0 or inf, got 0.0; large runs use about 6"),
+        (-1.0, ValueError, r" must be a number > 0 or inf, got -1.0"),
+        (math.nan, ValueError, r" must be a number > 0 or inf, got nan"),
+        (jnp.array(0.0), ValueError, r" must be a number > 0 or inf, got Array\(0\."),
+        ("6", TypeError, r" must be a real number, got '6'"),
+        (jnp.ones(2), TypeError, r" must be a scalar, got an array of shape \(2,\)")]),
+    *[("skip_step.update", {"loss": loss}, TypeError,
+       r"`skip_step`: `update\(loss=\.\.\.\)` must be a " + rest)
+      for loss, rest in [
+          (jnp.ones(2), r"scalar \(the step's loss\), got an array of shape \(2,\); "
+           r"pass one number, e.g. loss=jnp.mean\(per_example_losses\)"),
+          (np.ones((1,)), r"scalar .*got an array of shape \(1,\)"),
+          ("1.0", r"real scalar \(the step's loss\), got '1.0' of type str"),
+          (True, r"real scalar .*got True of type bool"),
+          (jnp.array(1 + 1j), r"real scalar .*got an array of dtype complex64"),
+      ]],
     *_rows(THRESHOLDS[:3], "max_norm", [
         (jnp.array(math.nan), ValueError, r" must be a number >= 0 or inf, got Array\(nan")]),
     # a norm measured beforehand: >= 0; NaN and inf pass on, as norms do

@@ -1,6 +1,7 @@
 """skip_step: a numpy re-statement of the skip rule, bit-identical inner
 states on skipped steps, and the shared transform contract."""
 
+import functools
 import math
 
 import jax
@@ -15,6 +16,7 @@ from outliers import (
   assert_finite,
   gradients_through_updates,
   norms_with_outlier,
+  ordinary_norms,
   outlier_step,
   over_outlier_sizes,
   scan_of,
@@ -22,7 +24,7 @@ from outliers import (
 )
 
 import optaxclip as oc
-from optaxclip._skip import skip_step
+from optaxclip._skip import SkipStats, skip_step
 
 STEPS = 300
 DECAY, WARMUP, ZSCORE, MAX_NORM = 0.95, 30, 6.0, 50.0
@@ -355,3 +357,473 @@ def test_skipped_step_leaves_integer_leaves_untouched(make):
   updates, _ = tx.update(grads, tx.init(grads), grads)
   np.testing.assert_array_equal(updates["step"], [3, 7])
   np.testing.assert_array_equal(updates["w"], [0.0, 0.0])
+
+
+# --------------------------------------------------------------------------
+# The loss guard (issue 13, section 5): update(..., loss=loss) with
+# loss_zscore skips NaN/Inf losses and loss spikes.
+
+LOSS_ZSCORE = 6.0
+# step -> multiple of the usual loss (nan / inf: a non-finite loss); 10
+# comes during the warm-up (accepted), 61 and 100 together with norm spikes,
+# 221 is a bump, not a spike.
+LOSS_SPIKES = {10: 2.0, 60: 2.5, 61: 2.0, 100: 2.0, 170: math.nan,
+               171: math.inf, 220: 1.5, 221: 1.02, 280: 1.4}
+
+
+def loss_sequence(offset=0.0):
+  """A falling loss with 1% noise, spikes at LOSS_SPIKES, plus ``offset``."""
+  rng = np.random.default_rng(5)
+  t = np.arange(STEPS)
+  losses = (1.0 + 2.0 * np.exp(-t / 150)) * (1 + 0.01 * rng.normal(size=STEPS))
+  for step, multiple in LOSS_SPIKES.items():
+    losses[step] = losses[step] * multiple
+  return losses + offset
+
+
+def loss_reference(norms, losses, *, max_norm, zscore, loss_zscore, decay,
+                   warmup):
+  """Both rules restated from their definitions, in float64: the norm's (as
+  ``reference``) and the loss's, each against the weighted mean and variance
+  of the accepted steps' values (weights decay**age), before the step."""
+  accepted, out = [], {k: [] for k in (
+      "skip", "by_norm", "by_loss", "loss_spike", "mean", "var", "z",
+      "margin")}
+  for n, loss in zip(norms, losses):
+    finite = bool(np.isfinite(n))
+    by_norm = (not finite) or (finite and n > max_norm)
+    z, loss_spike, margin = 0.0, False, math.inf
+    if len(accepted) >= max(warmup, 1):
+      h = np.asarray(accepted)
+      w = decay ** np.arange(len(h))[::-1]
+      for k, threshold in ((0, zscore), (1, loss_zscore)):
+        mean = (w * h[:, k]).sum() / w.sum()
+        std = math.sqrt((w * (h[:, k] - mean) ** 2).sum() / w.sum())
+        value = (n, loss)[k]
+        if not np.isfinite(value):
+          continue
+        margin = min(margin, abs((value - mean) / std - threshold))
+        if k == 0:
+          by_norm |= (value - mean) / std > threshold
+        else:
+          z = (value - mean) / std
+          loss_spike = z > threshold
+    by_loss = loss_spike or not np.isfinite(loss)
+    skip = by_norm or by_loss
+    if not skip:
+      accepted.append((n, loss))
+    h = np.asarray(accepted)
+    w = decay ** np.arange(len(h))[::-1]
+    mean = (w * h[:, 1]).sum() / w.sum()
+    for key, value in (("skip", skip), ("by_norm", by_norm),
+                       ("by_loss", by_loss), ("loss_spike", loss_spike),
+                       ("mean", mean),
+                       ("var", (w * (h[:, 1] - mean) ** 2).sum() / w.sum()),
+                       ("z", z if np.isfinite(loss) else loss),
+                       ("margin", margin)):
+      out[key].append(value)
+  return {k: np.asarray(v) for k, v in out.items()}
+
+
+def run_scan_with_losses(tx, grads, losses):
+  """``run_scan`` with ``update(..., loss=loss)`` at every step."""
+  def step(carry, x):
+    g, loss = x
+    params, state = carry
+    updates, state = tx.update(g, state, params, loss=loss)
+    return (optax.apply_updates(params, updates), state), (updates, state)
+
+  (params, _), (updates, states) = jax.jit(lambda g, losses: jax.lax.scan(
+      step, (PARAMS, tx.init(PARAMS)), (g, losses)))(grads, losses)
+  return params, updates, states
+
+
+@pytest.fixture(scope="module")
+def loss_run():
+  norms, losses = norm_sequence(), loss_sequence()
+  grads = grads_with_norms(norms)
+  tx = skip_step(optax.adamw(1e-2), max_norm=MAX_NORM, zscore=ZSCORE,
+                 loss_zscore=LOSS_ZSCORE, ema_decay=DECAY, warmup_steps=WARMUP)
+  params, updates, states = run_scan_with_losses(
+      tx, grads, jnp.asarray(losses, jnp.float32))
+  ref = loss_reference(
+      np.asarray(jax.vmap(oc.functional.global_norm)(grads), np.float64),
+      np.asarray(losses, np.float32).astype(np.float64), max_norm=MAX_NORM,
+      zscore=ZSCORE, loss_zscore=LOSS_ZSCORE, decay=DECAY, warmup=WARMUP)
+  return grads, losses, params, updates, states, ref
+
+
+def test_loss_spikes_skip_as_the_reference_says(loss_run):
+  _, losses, _, _, states, ref = loss_run
+  stats = jax.tree.map(np.asarray, states.stats)
+  assert not np.any(ref["margin"] < 1e-2), "a decision too close to call"
+  skipped = np.diff(np.concatenate([[0], stats.skipped_count])) == 1
+  np.testing.assert_array_equal(skipped, ref["skip"])
+  np.testing.assert_array_equal(stats.skipped_by_norm, ref["by_norm"])
+  np.testing.assert_array_equal(stats.skipped_by_loss, ref["by_loss"])
+  # The loss spikes after the warm-up and the NaN/Inf losses are skipped by
+  # the loss; the one during the warm-up and the bump are not.
+  assert set(np.flatnonzero(ref["by_loss"])) == {
+      s for s in LOSS_SPIKES if s >= WARMUP and s != 221}
+  np.testing.assert_array_equal(stats.loss_zscore_count,
+                                np.cumsum(ref["loss_spike"]))
+  np.testing.assert_array_equal(stats.loss_nonfinite_count,
+                                np.cumsum(~np.isfinite(losses)))
+  np.testing.assert_array_equal(stats.loss_ema_count, np.cumsum(~ref["skip"]))
+  np.testing.assert_allclose(stats.loss_mean, ref["mean"], rtol=1e-5)
+  np.testing.assert_allclose(np.sqrt(stats.loss_var), np.sqrt(ref["var"]),
+                             rtol=1e-3)
+  np.testing.assert_allclose(stats.loss_zscore, ref["z"], rtol=1e-3, atol=1e-3)
+  np.testing.assert_array_equal(stats.loss, np.asarray(losses, np.float32))
+
+
+def test_loss_skipped_steps_leave_adamw_bit_identical(loss_run):
+  grads, _, params, updates, states, ref = loss_run
+  inner = jax.tree.map(np.asarray, states.inner_state)
+  first = jax.tree.map(np.asarray, optax.adamw(1e-2).init(PARAMS))
+  previous = jax.tree.map(lambda f, s: np.concatenate([f[None], s[:-1]]),
+                          first, inner)
+  by_loss_only = np.flatnonzero(ref["by_loss"] & ~ref["by_norm"])
+  assert len(by_loss_only) >= 4
+  for step in np.flatnonzero(ref["skip"]):
+    for old, new in zip(jax.tree.leaves(previous), jax.tree.leaves(inner)):
+      assert old[step].tobytes() == new[step].tobytes()  # bits, NaN-safe
+    assert all(np.all(np.asarray(u)[step] == 0) for u in jax.tree.leaves(updates))
+  # The run equals adamw fed only the accepted steps.
+  keep = np.flatnonzero(~ref["skip"])
+  plain_params, _, _ = run_scan(optax.adamw(1e-2),
+                                jax.tree.map(lambda g: g[keep], grads))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               params, plain_params)
+
+
+@pytest.mark.parametrize("offset", [0.0, -3.0, 1e3, -1e-3])
+def test_ordinary_losses_are_never_skipped(offset):
+  """A noisy falling loss of any sign and level, over 600 steps: no skip,
+  whatever the loss's sign (the statistics are not ratios of the loss)."""
+  steps = 600
+  rng = np.random.default_rng(7)
+  t = np.arange(steps)
+  losses = offset + (0.5 + 2 * np.exp(-t / 200)) * (1 + 0.05 * rng.normal(size=steps))
+  grads = trees_with_norms(np.ones(steps))
+  tx = skip_step(optax.sgd(1.0), loss_zscore=6.0, warmup_steps=20)
+  _, states = scan_with_losses(tx)(grads, jnp.asarray(losses, jnp.float32))
+  assert int(states.stats.skipped_count[-1]) == 0
+  assert int(states.stats.loss_ema_count[-1]) == steps
+  assert int(states.stats.loss_stale_count.max()) == 0
+  assert np.max(states.stats.loss_zscore) < 6.0
+
+
+@pytest.mark.parametrize("warmup", [0, 1, 4])
+def test_loss_test_starts_after_warmup_steps_accepted_losses(warmup):
+  """A spike is accepted (fed) while fewer than max(warmup_steps, 1) losses
+  were accepted, and skipped from then on."""
+  tx = skip_step(optax.sgd(1.0), loss_zscore=3.0, warmup_steps=warmup)
+  params = {"w": jnp.zeros(2)}
+  grads = {"w": jnp.ones(2)}
+  step = jax.jit(tx.update)
+  ordinary = [1.0, 0.9, 0.95, 0.93, 0.97]  # (with a zero std, any rise is a spike)
+  for seen in range(len(ordinary)):
+    state = tx.init(params)
+    for loss in ordinary[:seen]:
+      _, state = step(grads, state, params, loss=loss)
+    _, state = step(grads, state, params, loss=50.0)
+    assert bool(state.stats.skipped_by_loss) == (seen >= max(warmup, 1)), seen
+    assert int(state.stats.loss_zscore_count) == (seen >= max(warmup, 1))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_nonfinite_loss_skips_with_loss_zscore_and_is_only_counted_without(bad):
+  params = {"w": jnp.zeros(2)}
+  grads = {"w": jnp.ones(2)}
+  for loss_zscore, skipped in ((6.0, True), (None, False)):
+    tx = skip_step(optax.adam(0.1), loss_zscore=loss_zscore, warmup_steps=1)
+    state = tx.init(params)
+    _, state = tx.update(grads, state, params, loss=1.0)
+    before = state
+    updates, state = jax.jit(tx.update)(grads, state, params, loss=bad)
+    stats = state.stats
+    assert bool(stats.skipped_by_loss) == skipped, loss_zscore
+    assert not bool(stats.skipped_by_norm)
+    assert int(stats.loss_nonfinite_count) == 1
+    assert int(stats.loss_ema_count) == 1  # never fed
+    assert_finite(stats.loss_mean, stats.loss_var)
+    if skipped:
+      assert np.all(np.asarray(updates["w"]) == 0)
+      for old, new in zip(jax.tree.leaves(before.inner_state),
+                          jax.tree.leaves(state.inner_state)):
+        assert np.asarray(old).tobytes() == np.asarray(new).tobytes()
+    else:
+      assert np.all(np.asarray(updates["w"]) != 0)
+
+
+def test_loss_zscore_none_only_logs_the_loss(loss_run):
+  """loss= without loss_zscore: the norm guard alone decides, and the loss
+  statistics are those of the steps it accepted."""
+  grads, losses, _, _, _, _ = loss_run
+  logged = skip_step(optax.adamw(1e-2), max_norm=MAX_NORM, zscore=ZSCORE,
+                     ema_decay=DECAY, warmup_steps=WARMUP)
+  _, updates, states = run_scan_with_losses(logged, grads,
+                                            jnp.asarray(losses, jnp.float32))
+  _, plain_updates, plain_states = run_scan(logged, grads)
+  for a, b in zip(jax.tree.leaves((updates, plain_states.inner_state)),
+                  jax.tree.leaves((plain_updates, states.inner_state))):
+    np.testing.assert_array_equal(a, b)
+  ref = loss_reference(
+      np.asarray(jax.vmap(oc.functional.global_norm)(grads), np.float64),
+      np.asarray(losses, np.float32).astype(np.float64), max_norm=MAX_NORM,
+      zscore=ZSCORE, loss_zscore=math.inf, decay=DECAY, warmup=WARMUP)
+  stats = jax.tree.map(np.asarray, states.stats)
+  assert not np.any(stats.skipped_by_loss)
+  np.testing.assert_array_equal(stats.skipped_by_norm, ref["by_norm"])
+  np.testing.assert_allclose(stats.loss_mean, ref["mean"], rtol=1e-5)
+  np.testing.assert_array_equal(stats.loss_zscore_count, 0)
+  np.testing.assert_array_equal(stats.loss_nonfinite_count,
+                                np.cumsum(~np.isfinite(losses)))
+
+
+def test_without_loss_nothing_changes_and_the_loss_fields_stay_fresh(spiky_run):
+  """No loss= (loss_zscore set or not): the same updates and statistics as
+  the norm guard alone, bit for bit, and the loss fields as init left them."""
+  norms, grads, params, updates, states, _ = spiky_run
+  tx = skip_step(optax.adamw(1e-2), max_norm=MAX_NORM, zscore=ZSCORE,
+                 loss_zscore=LOSS_ZSCORE, ema_decay=DECAY, warmup_steps=WARMUP)
+  params2, updates2, states2 = run_scan(tx, grads)
+  for a, b in zip(jax.tree.leaves((params, updates, states)),
+                  jax.tree.leaves((params2, updates2, states2))):
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+  fresh = SkipStats.fresh(jnp.float32)
+  for field in fresh._fields:
+    if field.startswith("loss") or field == "skipped_by_loss":
+      got = np.asarray(getattr(states2.stats, field))
+      assert np.all(got == np.asarray(getattr(fresh, field))), field
+  np.testing.assert_array_equal(
+      states2.stats.skipped_by_norm,
+      np.diff(np.concatenate([[0], states2.stats.skipped_count])) == 1)
+
+
+@functools.cache
+def scan_with_losses(tx):
+  """``outliers.scan_of`` with a loss at every step."""
+  def run(grads, losses):
+    params = jax.tree.map(lambda g: jnp.ones_like(g[0]), grads)
+
+    def step(state, x):
+      g, loss = x
+      updates, state = tx.update(g, state, params, loss=loss)
+      return state, (updates, state)
+
+    return jax.lax.scan(step, tx.init(params), (grads, losses))[1]
+
+  return jax.jit(run)
+
+
+LOSS_SKIPS = {w: skip_step(optax.sgd(1.0), loss_zscore=6.0, warmup_steps=w)
+              for w in (1, 5)}
+
+
+@pytest.mark.parametrize("offset", [0.0, -3.0])
+@pytest.mark.parametrize("warmup", list(LOSS_SKIPS))
+@pytest.mark.parametrize("where", ["first", "warm-up", "after"])
+@over_outlier_sizes
+def test_one_loss_outlier_of_any_size_does_not_disable_the_loss_test(
+    offset, warmup, where, size):
+  at = outlier_step(where, warmup)
+  # The bound of skip_step's docstring.
+  probe = at + 1 if at >= warmup else at + 3 + max(warmup, 1)
+  losses = norms_with_outlier(size, at, probe) + offset
+  grads = trees_with_norms(np.ones(probe + 1))
+  updates, states = scan_with_losses(LOSS_SKIPS[warmup])(
+      grads, jnp.asarray(losses, jnp.float32))
+  stats = states.stats
+  assert_finite(stats.loss_mean, stats.loss_var, stats.norm_mean)
+  spikes = np.diff(np.concatenate([[0], stats.loss_zscore_count]))
+  assert spikes[probe] == 1, (spikes, stats.loss_mean, stats.loss_var)
+  assert np.flatnonzero(spikes).tolist() in ([probe], [at, probe])
+  assert all(np.all(np.asarray(u[probe]) == 0) for u in jax.tree.leaves(updates))
+
+
+def test_two_huge_losses_of_opposite_signs_leave_the_statistics_finite():
+  """The distance between two finite losses can overflow; the statistics
+  must stay finite (and the test working) all the same."""
+  losses = np.concatenate([[3e38, -3e38, 3e38], 1 + 0.01 * np.arange(12), [1e6]])
+  grads = trees_with_norms(np.ones(len(losses)))
+  tx = skip_step(optax.sgd(1.0), loss_zscore=6.0, warmup_steps=2)
+  _, states = scan_with_losses(tx)(grads, jnp.asarray(losses, jnp.float32))
+  assert_finite(states.stats.loss_mean, states.stats.loss_var)
+  assert bool(states.stats.skipped_by_loss[-1])
+
+
+def test_step_with_a_loss_is_the_wrappers_decision_and_statistics():
+  """``step(stats, norm, loss=...)`` is the pure function the wrapper runs."""
+  from optaxclip import _skip
+  settings = {"nonfinite": True, "max_norm": 10.0, "zscore": 2.0,
+              "ema_decay": 0.9, "warmup_steps": 2, "loss_zscore": 3.0}
+  tx = oc.skip_step(optax.sgd(1.0), **settings)
+  params = {"w": jnp.zeros(2)}
+  state = tx.init(params)
+  expected = state.stats
+  for g, loss in [(1.0, 2.0), (1.5, 2.1), (1.2, 1.9), (1.1, 9.0), (20.0, 2.0),
+                  (1.0, math.nan), (1.1, -1.0), (1.2, 2.0)]:
+    grads = {"w": jnp.array([g, 0.0])}
+    updates, state = tx.update(grads, state, params, loss=loss)
+    skip, expected = _skip.step(expected, jnp.float32(g), loss=jnp.float32(loss),
+                                **settings)
+    assert bool(skip) == (not np.any(updates["w"]))
+    for got, want in zip(state.stats, expected):
+      np.testing.assert_array_equal(got, want)
+  assert int(state.stats.loss_zscore_count) == 1
+  assert int(state.stats.max_norm_count) == 1
+
+
+def test_stats_report_the_loss_guard():
+  tx = skip_step(optax.sgd(0.1), loss_zscore=6.0, warmup_steps=1)
+  state = tx.init(PARAMS)
+  _, state = jax.jit(tx.update)(PARAMS, state, PARAMS, loss=2.0)
+  _, state = jax.jit(tx.update)(PARAMS, state, PARAMS, loss=jnp.nan)
+  found = oc.stats(state)
+  assert {"skip/loss", "skip/loss_zscore", "skip/loss_mean", "skip/loss_std",
+          "skip/skipped_by_loss", "skip/skipped_by_norm",
+          "skip/loss_zscore_count", "skip/loss_nonfinite_count"} <= set(found)
+  assert "skip/loss_stale_count" not in found
+  assert bool(found["skip/skipped_by_loss"]) and not bool(found["skip/skipped_by_norm"])
+  assert float(found["skip/loss_mean"]) == 2.0
+  assert all(v.shape == () for v in found.values())
+
+
+def test_loss_in_a_chain_with_other_extra_args():
+  """optax.chain passes extra args only to its ExtraArgs members: the loss
+  reaches skip_step in a chain, and skip_step passes ``value=`` (and the
+  loss) on to an ExtraArgs inner, reduce_on_plateau here."""
+  inner = optax.chain(optax.sgd(1.0), optax.contrib.reduce_on_plateau(
+      patience=1, factor=0.5, accumulation_size=1))
+  tx = optax.chain(optax.add_decayed_weights(0.0),
+                   skip_step(inner, loss_zscore=3.0, warmup_steps=2))
+  state = tx.init(PARAMS)
+  step = jax.jit(tx.update)
+  for loss in (1.0, 1.1, 1.2, 1.3, 50.0):
+    updates, state = step(PARAMS, state, PARAMS, loss=loss, value=loss)
+  skip_state = state[1]
+  plateau = skip_state.inner_state[1]
+  assert bool(skip_state.stats.skipped_by_loss)
+  assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates))
+  # reduce_on_plateau saw the four accepted values (rising: the scale was
+  # cut), not the skipped one.
+  assert float(plateau.best_value) == 1.0
+  assert int(plateau.plateau_count) == 0 and float(plateau.scale) == 0.125
+
+
+def test_loss_skip_around_multisteps_keeps_spiky_microbatches_out():
+  """skip_step(MultiSteps(...), loss_zscore=...) judges each micro-batch's
+  loss: a spiky one never reaches the accumulator."""
+  rng = np.random.default_rng(4)
+  steps = 24
+  grads = {"a": jnp.asarray(rng.normal(size=(steps, 8)), jnp.float32),
+           "b": jnp.asarray(rng.normal(size=(steps, 4, 3)), jnp.float32)}
+  losses = 2.0 + 0.01 * rng.normal(size=steps)
+  bad = [13, 19]
+  losses[bad] = [8.0, math.nan]
+
+  def optimizer():
+    return optax.MultiSteps(optax.adam(0.1), every_k_schedule=3)
+
+  tx = skip_step(optimizer(), loss_zscore=6.0, warmup_steps=4)
+  params, _, states = run_scan_with_losses(tx, grads, jnp.asarray(losses, jnp.float32))
+  keep = np.array([t not in bad for t in range(steps)])
+  reference, _, _ = run_scan(optimizer(), jax.tree.map(lambda g: g[keep], grads))
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7),
+               params, reference)
+  assert int(states.stats.skipped_count[-1]) == 2
+  assert int(states.inner_state.gradient_step[-1]) == (steps - 2) // 3
+
+
+@pytest.mark.parametrize("order", ["loss_scale_outside", "loss_scale_inside"])
+def test_loss_guard_with_dynamic_loss_scale(order):
+  """The documented loss-scale compositions: the loss (unscaled) reaches
+  skip_step, a loss spike skips the optimizer, an overflow still backs the
+  scale off, and neither reaches adam."""
+  opt = optax.chain(oc.clip_by_global_norm(1.0), optax.adam(1e-2))
+  if order == "loss_scale_outside":
+    tx = oc.dynamic_loss_scale(2.0**10, inner=skip_step(
+        opt, loss_zscore=6.0, warmup_steps=3))
+  else:
+    tx = skip_step(optax.chain(oc.dynamic_loss_scale(2.0**10), opt),
+                   loss_zscore=6.0, warmup_steps=3)
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  events = [(0.3, 2.0), (0.3, 2.1), (0.4, 1.9), (0.3, 2.0), (0.3, 9.0),
+            (jnp.inf, 2.0), (0.3, 2.05)]
+  for g, loss in events:
+    grads = {"w": jnp.array([g, 0.1]) * oc.loss_scale(state)}
+    updates, state = step(grads, state, params, loss=loss)
+    assert np.all(np.isfinite(np.asarray(updates["w"])))
+  s = oc.stats(state)
+  assert int(s["loss_scale/overflow_count"]) == 1
+  assert float(s["loss_scale/scale"]) == 2.0**9
+  assert int(s["clip/count"]) == 5  # the spike and the overflow never reached it
+  assert int(s["skip/loss_zscore_count"]) == 1
+  assert int(s["skip/loss_ema_count"]) == 5
+
+
+def test_shard_map_devices_agree_on_a_replicated_loss():
+  mesh = Mesh(np.array(jax.devices()[:2]), ("i",))
+  tx = skip_step(optax.sgd(1.0), loss_zscore=3.0, warmup_steps=2,
+                 axis_name="i", specs=P("i"))
+  step = jax.jit(shard_map(lambda g, s, loss: tx.update(g, s, loss=loss),
+                           mesh=mesh, in_specs=(P("i"), P(), P()),
+                           out_specs=(P("i"), P())))
+  state = tx.init(jnp.zeros(8))
+  g = jnp.full(8, 0.5)
+  for loss in (1.0, 1.1, 0.9):
+    updates, state = step(g, state, jnp.float32(loss))
+    np.testing.assert_array_equal(updates, -g)
+  updates, state = step(g, state, jnp.float32(30.0))
+  np.testing.assert_array_equal(updates, jnp.zeros(8))
+  assert bool(state.stats.skipped_by_loss)
+
+
+def test_injected_loss_zscore_that_is_not_positive_acts_as_inf():
+  tx = optax.inject_hyperparams(skip_step)(inner=optax.sgd(1.0),
+                                           loss_zscore=6.0, warmup_steps=1)
+  params = {"w": jnp.zeros(2)}
+  state = tx.init(params)
+  grads = {"w": jnp.ones(2)}
+  step = jax.jit(tx.update)
+  _, state = step(grads, state, params, loss=1.0)
+  _, state = step(grads, state, params, loss=1.1)
+  for bad in (0.0, -1.0, math.nan):
+    hyper = {**state.hyperparams, "loss_zscore": jnp.asarray(bad, jnp.float32)}
+    injected = state._replace(hyperparams=hyper)
+    updates, after = step(grads, injected, params, loss=1e3)
+    assert np.all(np.asarray(updates["w"]) != 0), bad  # no z-score test
+    updates, after = step(grads, injected, params, loss=jnp.nan)
+    assert np.all(np.asarray(updates["w"]) == 0), bad  # NaN still skips
+
+
+def test_a_loss_outlier_late_in_the_warmup_counts_as_at_most_100_levels():
+  """Winsorized: a 1e4 outlier at step 40 of a 50-step warm-up moves the
+  statistics by at most 100 levels (|mean| + std), so a loss 1e3 above the
+  usual is a spike right after the warm-up (fed in full, the outlier would
+  raise the std to ~1e3, or start the statistics and their warm-up again)."""
+  losses = ordinary_norms(52)
+  losses[40] *= 1e4
+  losses[51] *= 1e3
+  tx = skip_step(optax.sgd(1.0), loss_zscore=6.0, warmup_steps=50)
+  _, states = scan_with_losses(tx)(trees_with_norms(np.ones(52)),
+                                   jnp.asarray(losses, jnp.float32))
+  assert float(states.stats.loss_mean[40]) < 1 + 100 * 1.2
+  skipped = np.flatnonzero(np.asarray(states.stats.skipped_by_loss))
+  assert skipped.tolist() == [51]
+
+
+@pytest.mark.parametrize("loss", [2.0, 3, np.float64(2.0), jnp.bfloat16(2.0),
+                                  jnp.float16(2.0)])
+def test_state_keeps_its_dtypes_whatever_the_loss_type(loss):
+  """A Python, numpy, integer or half-precision loss: the state's fields
+  keep init's shapes, dtypes and weak types (no retrace, donation works)."""
+  tx = make(loss_zscore=6.0)
+  state = tx.init(tree_like())
+  _, new = jax.jit(tx.update)(tree_like(), state, tree_like(), loss=loss)
+  assert signature(new) == signature(state)
+  assert float(new.stats.loss) == float(loss)
