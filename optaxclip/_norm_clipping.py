@@ -159,7 +159,8 @@ def _clip_by_given_norm(fn: str, tree: PyTree, max_norm, eps,
   _validation.check_tree(fn, "the tree", tree)
   acc = _tree.accumulation_dtype(_tree.clippable_leaves(tree))
   norm = jnp.asarray(use_norm, acc)
-  return scale_leaves(tree, clip_factor(norm, max_norm, eps)), norm
+  factor = _scaling.clip_factor(norm, max_norm, eps)
+  return _scaling.scale_leaves(tree, factor), norm
 
 
 def clip_by_global_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
