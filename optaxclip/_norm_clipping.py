@@ -19,9 +19,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 from optaxclip import (
   _counters,
+  _groups,
+  _leaf_norms,
   _nonfinite,
   _norms,
   _running_stats,
@@ -38,7 +41,7 @@ PYTORCH_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ divides by norm + 1e-6
 
 
 class ClipState(NamedTuple):
-  """State of the norm-based clippers; every field is a scalar.
+  """State of the norm-based clippers.
 
   ``float`` below is float32, or float64 when x64 is on and ``init`` was
   given float64 parameters (so that a float64 norm beyond float32's range
@@ -52,28 +55,63 @@ class ClipState(NamedTuple):
     count: int32 ``[]``: steps seen.
     clipped_count: int32 ``[]``: steps with a finite norm and ``scale < 1``.
     nonfinite_count: int32 ``[]``: steps whose norm was NaN or Inf.
+    leaf_norms: with ``leaf_norms=True``, the last update's norm of every
+      leaf: a tree of the gradients' structure, float ``[]`` per clippable
+      leaf (``[layers]`` where ``layer_axis`` gives one), None elsewhere;
+      otherwise None (nothing kept).
   """
   norm: jax.Array
   scale: jax.Array
   count: jax.Array
   clipped_count: jax.Array
   nonfinite_count: jax.Array
+  leaf_norms: PyTree = None
 
   @classmethod
-  def fresh(cls, dtype: jax.typing.DTypeLike) -> "ClipState":
+  def fresh(cls, dtype: jax.typing.DTypeLike,
+            leaf_norms: PyTree = None) -> "ClipState":
     """The state before the first step, its floats in ``dtype``."""
     return cls(norm=jnp.zeros([], dtype), scale=jnp.ones([], dtype),
                count=_counters.zero(), clipped_count=_counters.zero(),
-               nonfinite_count=_counters.zero())
+               nonfinite_count=_counters.zero(), leaf_norms=leaf_norms)
 
 
-_stats.register(ClipState, "clip",
-                extras=lambda state: {"clip_rate": _counters.clip_rate(state)})
+_stats.register(ClipState, "clip", hide=("leaf_norms",),
+                extras=lambda state: {"clip_rate": _counters.clip_rate(state),
+                                      **_leaf_norms.entries(state.leaf_norms)})
 
 
-def init_clip_state(params: PyTree = None) -> ClipState:
-  """A fresh ``ClipState``, its floats in the statistics dtype of ``params``."""
-  return ClipState.fresh(_running_stats.statistics_dtype(params))
+class GroupClipState(NamedTuple):
+  """State of ``clip_by_global_norm(groups=...)``.
+
+  ``optaxclip.stats`` reports each group's entries as ``clip/<label>/...``.
+
+  Attributes:
+    groups: a dict from each group's label to its ``ClipState`` (its norm,
+      factor and step counts).
+    leaf_norms: as in ``ClipState``.
+  """
+  groups: dict[str, ClipState]
+  leaf_norms: PyTree = None
+
+
+def _group_stats(state: GroupClipState) -> dict[str, jax.Array]:
+  entries = {f"{label}/{key}": value
+             for label, group in state.groups.items()
+             for key, value in _stats.summary(group).items()}
+  return {**entries, **_leaf_norms.entries(state.leaf_norms)}
+
+
+_stats.register(GroupClipState, "clip", _group_stats)
+
+
+def init_clip_state(params: PyTree = None, *, keep: Any = None,
+                    leaf_norms: bool = False) -> ClipState:
+  """A fresh ``ClipState``, its floats in the statistics dtype of ``params``
+  (with ``leaf_norms``, zero norms per leaf, per layer where ``keep`` says)."""
+  dtype = _running_stats.statistics_dtype(params)
+  norms = _leaf_norms.zeros(params, keep, dtype) if leaf_norms else None
+  return ClipState.fresh(dtype, norms)
 
 
 def _check_common(fn: str, max_norm: Any, ord: Any, eps: Any,
@@ -85,23 +123,60 @@ def _check_common(fn: str, max_norm: Any, ord: Any, eps: Any,
           _validation.check_nonnegative(fn, "eps", eps))
 
 
-def _clip(fn: str, tree: PyTree, max_norm, p, eps, axis_name, specs, *,
-          per_leaf: bool) -> tuple[PyTree, jax.Array, jax.Array]:
-  """Clipped tree, norm(s) and factor(s), per leaf or global."""
+class _Clipped(NamedTuple):
+  tree: PyTree  # the clipped updates
+  norm: jax.Array  # the global norm, or per leaf the largest
+  factor: jax.Array  # the factor, or per leaf the smallest
+  leaf_norms: PyTree  # the tree of leaf (or layer) norms, or None
+
+
+def _clip_each(fn: str, tree: PyTree, max_norm, p, eps, axis_name, specs, *,
+               leaf_norms: bool = False, layer_axis: PyTree = None
+               ) -> _Clipped:
+  """Every leaf (or, with ``layer_axis``, every layer slice) clipped by its
+  own norm."""
   _validation.check_tree(fn, "the tree", tree)
-  reduction = _norms.make_reduction(fn, tree, axis_name, specs)
   leaves = _tree.clippable_leaves(tree)
-  if per_leaf:
+  keep = _leaf_norms.layer_keep(fn, tree, layer_axis)
+  reduction = _norms.make_reduction(fn, tree, axis_name, specs, keep)
+  if keep is None:
     norms = _norms.leaf_norms(leaves, p, reduction)
+    factors = _scaling.clip_factor(norms, max_norm, eps)
+    clipped = _scaling.scale_leaves(tree, factors)
+    per_leaf = list(norms) if leaf_norms else None
   else:
-    norms = _norms.norm_of_leaves(leaves, p, reduction)
-  factors = _scaling.clip_factor(norms, max_norm, eps)
-  return _scaling.scale_leaves(tree, factors), norms, factors
+    per_leaf = _norms.unit_norms(leaves, p, reduction, keep)
+    # One factor per layer, shaped to broadcast against its leaf.
+    clipped = _scaling.scale_leaves(tree, [
+        _scaling.clip_factor(n, max_norm, eps).reshape(
+            [d if a in kept else 1 for a, d in enumerate(x.shape)])
+        for n, x, kept in zip(per_leaf, leaves, keep)])
+    norms = jnp.concatenate([n.reshape(-1) for n in per_leaf] or [
+        jnp.zeros([0])])
+    factors = _scaling.clip_factor(norms, max_norm, eps)
+  norm, factor = jnp.max(norms, initial=0), jnp.min(factors, initial=1)
+  if reduction.split_kept_axes is not None:  # each device holds some layers
+    norm = lax.pmax(norm, reduction.axis_names)
+    factor = -lax.pmax(-factor, reduction.axis_names)
+  return _Clipped(clipped, norm, factor, None if per_leaf is None or not
+                  leaf_norms else _leaf_norms.norm_tree(tree, per_leaf))
+
+
+def _clip_global(fn: str, tree: PyTree, max_norm, p, eps, axis_name, specs,
+                 *, leaf_norms: bool = False,
+                 layer_axis: PyTree = None) -> _Clipped:
+  """The tree clipped by its global norm."""
+  _validation.check_tree(fn, "the tree", tree)
+  norm, norms = _leaf_norms.measure(fn, tree, p, axis_name, specs,
+                                    leaf_norms=leaf_norms,
+                                    layer_axis=layer_axis)
+  factor = _scaling.clip_factor(norm, max_norm, eps)
+  return _Clipped(_scaling.scale_leaves(tree, factor), norm, factor, norms)
 
 
 def clip_by_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
                     eps: Scalar = 0.0, axis_name: AxisName = None,
-                    specs: PyTree = None) -> PyTree:
+                    specs: PyTree = None, layer_axis: PyTree = None) -> PyTree:
   """Clips every leaf of ``tree`` by its own ``ord``-norm.
 
   Each floating leaf ``x`` becomes ``x * s`` with ``s`` computed from
@@ -133,9 +208,8 @@ def clip_by_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
   """
   max_norm, p, eps = _check_common("clip_by_norm", max_norm, ord, eps)
   _validation.check_specs("clip_by_norm", specs, axis_name)
-  clipped, _, _ = _clip("clip_by_norm", tree, max_norm, p, eps, axis_name,
-                        specs, per_leaf=True)
-  return clipped
+  return _clip_each("clip_by_norm", tree, max_norm, p, eps, axis_name, specs,
+                    layer_axis=layer_axis).tree
 
 
 def _check_use_norm(fn: str, use_norm: Any) -> Any:
@@ -228,46 +302,126 @@ def clip_by_global_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
     use_norm = _check_use_norm("clip_by_global_norm", use_norm)
     return _clip_by_given_norm("clip_by_global_norm", tree, max_norm, eps,
                                use_norm)
-  clipped, norm, _ = _clip("clip_by_global_norm", tree, max_norm, p, eps,
-                           axis_name, specs, per_leaf=False)
-  return clipped, norm
+  clipped = _clip_global("clip_by_global_norm", tree, max_norm, p, eps,
+                         axis_name, specs)
+  return clipped.tree, clipped.norm
 
 
 def _norm_clipper(fn: str, max_norm, p, eps, axis_name, specs, nonfinite, *,
-                  per_leaf: bool) -> optax.GradientTransformation:
+                  per_leaf: bool, leaf_norms: bool, layer_axis: PyTree
+                  ) -> optax.GradientTransformation:
   _validation.check_choice(fn, "nonfinite", nonfinite, _nonfinite.MODES)
   _validation.check_specs(fn, specs, axis_name)
+  _validation.check_bool(fn, "leaf_norms", leaf_norms)
+  clip = _clip_each if per_leaf else _clip_global
 
   def init_fn(params):
-    return init_clip_state(params)
+    return init_clip_state(
+        params, keep=_leaf_norms.layer_keep(fn, params, layer_axis),
+        leaf_norms=leaf_norms)
 
   def update_fn(updates, state, params=None):
     del params
     if state is None:  # stateless use, as optax's clippers allow: a fresh state
-      state = init_clip_state()
+      state = init_fn(updates)
     _validation.check_state(fn, state, ClipState)
-    clipped, norms, factors = _clip(fn, updates, max_norm, p, eps, axis_name,
-                                    specs, per_leaf=per_leaf)
-    # Per-leaf clippers log their worst leaf: the largest norm (NaN if any).
-    norm = jnp.max(norms, initial=0) if per_leaf else norms
-    factor = jnp.min(factors, initial=1) if per_leaf else factors
+    clipped = clip(fn, updates, max_norm, p, eps, axis_name, specs,
+                   leaf_norms=leaf_norms, layer_axis=layer_axis)
+    updates, norm, factor = clipped.tree, clipped.norm, clipped.factor
     finite = jnp.isfinite(norm)
     if nonfinite == "raise":
       _nonfinite.raise_if_nonfinite(fn, updates, norm)
     elif nonfinite == "zero":
-      clipped = _scaling.zero_unless(finite, clipped)
+      updates = _scaling.zero_unless(finite, updates)
       factor = jnp.where(finite, factor, 0)
+    dtype = state.norm.dtype
     new_state = ClipState(
-        norm=norm.astype(state.norm.dtype), scale=factor.astype(state.scale.dtype),
-        **_counters.step_counts(state, finite=finite, clipped=factor < 1))
-    return clipped, new_state
+        norm=norm.astype(dtype), scale=factor.astype(dtype),
+        **_counters.step_counts(state, finite=finite, clipped=factor < 1),
+        leaf_norms=jax.tree.map(lambda n: n.astype(dtype), clipped.leaf_norms))
+    return updates, new_state
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _group_clipper(fn: str, max_norm, p, eps, axis_name, specs, nonfinite,
+                   groups: _groups.Labels, *, leaf_norms: bool,
+                   layer_axis: PyTree) -> optax.GradientTransformation:
+  """``clip_by_global_norm`` with ``groups``: each clipped by its own norm,
+  all from one pass over the gradients and one all-reduce."""
+  _validation.check_choice(fn, "nonfinite", nonfinite, _nonfinite.MODES)
+  _validation.check_specs(fn, specs, axis_name)
+  _validation.check_bool(fn, "leaf_norms", leaf_norms)
+
+  def init_fn(params):
+    keep = _leaf_norms.layer_keep(fn, params, layer_axis)
+    dtype = _running_stats.statistics_dtype(params)
+    labels = dict.fromkeys(_groups.leaf_labels(fn, params, groups))
+    for label in labels:
+      _groups.limit_of(fn, max_norm, label)
+    return GroupClipState(
+        {label: ClipState.fresh(dtype) for label in labels},
+        _leaf_norms.zeros(params, keep, dtype) if leaf_norms else None)
+
+  def update_fn(updates, state, params=None):
+    del params
+    if state is None:
+      state = init_fn(updates)
+    _validation.check_state(fn, state, GroupClipState)
+    labels = _groups.leaf_labels(fn, updates, groups)
+    if set(labels) != set(state.groups):
+      raise ValueError(
+          f"`{fn}(groups=...)` labels the updates {sorted(set(labels))} but "
+          f"the state has groups {sorted(state.groups)}; call init with "
+          f"the parameters the updates are for")
+    leaves = _tree.clippable_leaves(updates)
+    keep = (_leaf_norms.layer_keep(fn, updates, layer_axis)
+            or ((),) * len(leaves))
+    reduction = _norms.make_reduction(fn, updates, axis_name, specs, keep)
+    if reduction.split_kept_axes is not None:
+      raise ValueError(
+          f"`{fn}(groups=...)` needs each layer on every device of its "
+          f"group: specs split the layer axis; drop groups or layer_axis")
+    per_leaf = _norms.unit_norms(leaves, p, reduction, keep)
+    norms = _groups.group_norms(labels, per_leaf, p)
+    factors = {label: _scaling.clip_factor(
+        norm, _groups.limit_of(fn, max_norm, label), eps)
+               for label, norm in norms.items()}
+    finite = {label: jnp.isfinite(norm) for label, norm in norms.items()}
+    if nonfinite == "raise":
+      _nonfinite.raise_if_nonfinite(
+          fn, updates, jnp.max(jnp.stack(list(norms.values()))))
+    elif nonfinite == "zero":
+      factors = {label: jnp.where(finite[label], f, 0)
+                 for label, f in factors.items()}
+    clipped = _scaling.scale_leaves(
+        updates, jnp.stack([factors[label] for label in labels]))
+    if nonfinite == "zero":
+      clipped = _tree.map_clippable_indexed(
+          lambda x, i: jnp.where(finite[labels[i]], x, jnp.zeros_like(x)),
+          clipped)
+    new_groups = {}
+    for label, old in state.groups.items():
+      dtype = old.norm.dtype
+      new_groups[label] = ClipState(
+          norm=norms[label].astype(dtype),
+          scale=factors[label].astype(dtype),
+          **_counters.step_counts(old, finite=finite[label],
+                                  clipped=factors[label] < 1))
+    kept_norms = None
+    if leaf_norms:
+      dtype = next(iter(state.groups.values())).norm.dtype
+      kept_norms = _leaf_norms.norm_tree(
+          updates, [n.astype(dtype) for n in per_leaf])
+    return clipped, GroupClipState(new_groups, kept_norms)
 
   return optax.GradientTransformation(init_fn, update_fn)
 
 
 def clip_by_norm(max_norm: Scalar, *, ord: Ord = 2, eps: Scalar = 0.0,
                  axis_name: AxisName = None, specs: PyTree = None,
-                 nonfinite: NonFinite = "propagate") -> optax.GradientTransformation:
+                 nonfinite: NonFinite = "propagate", layer_axis: PyTree = None,
+                 leaf_norms: bool = False) -> optax.GradientTransformation:
   """Clips every leaf of the updates by its own norm.
 
   The transform form of ``optaxclip.functional.clip_by_norm``. Its state
@@ -303,12 +457,15 @@ def clip_by_norm(max_norm: Scalar, *, ord: Ord = 2, eps: Scalar = 0.0,
   """
   max_norm, p, eps = _check_common("clip_by_norm", max_norm, ord, eps)
   return _norm_clipper("clip_by_norm", max_norm, p, eps, axis_name, specs,
-                       nonfinite, per_leaf=True)
+                       nonfinite, per_leaf=True, leaf_norms=leaf_norms,
+                       layer_axis=layer_axis)
 
 
 def clip_by_global_norm(max_norm: Scalar, *, ord: Ord = 2, eps: Scalar = 0.0,
                         axis_name: AxisName = None, specs: PyTree = None,
-                        nonfinite: NonFinite = "propagate"
+                        nonfinite: NonFinite = "propagate",
+                        leaf_norms: bool = False, layer_axis: PyTree = None,
+                        groups: _groups.Labels = None
                         ) -> optax.GradientTransformation:
   """Scales the updates so that their global norm is at most ``max_norm``.
 
@@ -359,14 +516,22 @@ def clip_by_global_norm(max_norm: Scalar, *, ord: Ord = 2, eps: Scalar = 0.0,
     >>> oc.stats(state)["clip/norm"]
     Array(5., dtype=float32)
   """
-  max_norm, p, eps = _check_common("clip_by_global_norm", max_norm, ord, eps)
-  return _norm_clipper("clip_by_global_norm", max_norm, p, eps, axis_name,
-                       specs, nonfinite, per_leaf=False)
+  fn = "clip_by_global_norm"
+  p = _validation.check_ord(fn, ord)
+  eps = _validation.check_nonnegative(fn, "eps", eps)
+  max_norm = _groups.check_max_norms(fn, max_norm, groups is not None)
+  if groups is not None:
+    return _group_clipper(fn, max_norm, p, eps, axis_name, specs, nonfinite,
+                          groups, leaf_norms=leaf_norms, layer_axis=layer_axis)
+  return _norm_clipper(fn, max_norm, p, eps, axis_name, specs, nonfinite,
+                       per_leaf=False, leaf_norms=leaf_norms,
+                       layer_axis=layer_axis)
 
 
 def clip_grad_norm(max_norm: Scalar, norm_type: Ord = 2.0, *,
                    error_if_nonfinite: bool = False,
-                   axis_name: AxisName = None, specs: PyTree = None
+                   axis_name: AxisName = None, specs: PyTree = None,
+                   leaf_norms: bool = False, layer_axis: PyTree = None
                    ) -> optax.GradientTransformation:
   """PyTorch's ``torch.nn.utils.clip_grad_norm_`` as an Optax transform.
 
@@ -412,5 +577,6 @@ def clip_grad_norm(max_norm: Scalar, norm_type: Ord = 2.0, *,
                                  "norm_type")
   nonfinite = "raise" if error_if_nonfinite else "propagate"
   return _norm_clipper(fn, max_norm, p, PYTORCH_EPS, axis_name, specs,
-                       nonfinite, per_leaf=False)
+                       nonfinite, per_leaf=False, leaf_norms=leaf_norms,
+                       layer_axis=layer_axis)
 

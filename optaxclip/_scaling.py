@@ -56,13 +56,16 @@ def _scale_leaf(x: jax.Array, factor: jax.Array) -> jax.Array:
   return scaled if scaled.dtype == x.dtype else scaled.astype(x.dtype)
 
 
-def scale_leaves(tree: PyTree, factors: jax.Array) -> PyTree:
-  """Multiplies the clippable leaves by one factor (scalar) or one each.
+def scale_leaves(tree: PyTree, factors: jax.Array | list[jax.Array]
+                 ) -> PyTree:
+  """Multiplies the clippable leaves by one factor (scalar) or one each (a
+  vector of scalars, or a list of arrays that broadcast against them: one
+  factor per layer or unit).
 
   One multiply per leaf and nothing else: each leaf's pass is the cheapest
   fusion XLA can compile, and it fuses into the optimizer's next pass.
   """
-  if factors.ndim == 0:
+  if not isinstance(factors, list) and factors.ndim == 0:
     return _tree.map_clippable_indexed(lambda x, _: _scale_leaf(x, factors),
                                        tree)
   return _tree.map_clippable_indexed(lambda x, i: _scale_leaf(x, factors[i]),

@@ -41,6 +41,11 @@ def register(state_type: type, name: str, summary: Summary | None = None, *,
     _CLIPPERS.add(state_type)
 
 
+def summary(state: Any) -> dict[str, jax.Array]:
+  """The statistics ``stats`` reports for one registered state."""
+  return _REGISTRY[type(state)][1](state)
+
+
 def is_clipper_state(x: Any) -> bool:
   """Whether ``x`` is the state of a registered transform that clips."""
   return type(x) in _CLIPPERS

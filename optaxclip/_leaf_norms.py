@@ -1,0 +1,138 @@
+"""Per-leaf and per-layer norms: layer axes, and the norms a state keeps.
+
+A scanned model (``nn.scan``, ``nnx.scan``) stacks its layers along one
+axis of each parameter; ``layer_axis`` names it, as a tree prefix of the
+gradients (like ``specs``): an int, or None for leaves that stack nothing.
+A per-tensor quantity then becomes one per layer slice, the leaf keeping
+that axis in the one norm computation (``_norms``).
+
+With ``leaf_norms=True`` a state keeps the norm of every clippable leaf,
+as a tree of the gradients' structure (None where a leaf is not clippable):
+a scalar per leaf, or a vector with one norm per layer. The global norm is
+then the norm of these norms: the same partial sums, no second pass over
+the gradients. ``optaxclip.stats`` names each entry by its tree path,
+``<transform>/leaf_norm/<key>/<key>/...``, with ``/<i>`` for layer ``i``.
+"""
+
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optaxclip import _norms, _tree
+
+PyTree = Any
+Keep = tuple[int, ...]
+
+
+def _is_axis(x: Any) -> bool:
+  return x is None or (isinstance(x, numbers.Integral)
+                       and not isinstance(x, (bool, np.bool_)))
+
+
+def layer_keep(fn: str, tree: PyTree, layer_axis: PyTree
+               ) -> tuple[Keep, ...] | None:
+  """Per clippable leaf of ``tree``, the axes its norm keeps: ``(axis,)``
+  where ``layer_axis`` gives one, ``()`` elsewhere; None for no layer axes.
+  """
+  if layer_axis is None:
+    return None
+
+  def broadcast(axis, subtree):
+    if not _is_axis(axis):
+      raise TypeError(
+          f"`{fn}(layer_axis=...)` must hold ints (the axis that stacks "
+          f"layers) or None, got {axis!r} of type {type(axis).__name__}")
+    return jax.tree.map(lambda _: axis, subtree)
+
+  try:
+    axes = jax.tree.map(broadcast, layer_axis, tree, is_leaf=_is_axis)
+  except ValueError as error:
+    raise ValueError(
+        f"`{fn}(layer_axis=...)` must be an int or a tree prefix of the "
+        f"gradients with int or None leaves (as optax.partition's labels); "
+        f"it does not match the gradient tree: {error}") from None
+  with_paths, _ = jax.tree_util.tree_flatten_with_path(tree)
+  leaf_axes = jax.tree.leaves(axes, is_leaf=lambda x: x is None)
+  keep = []
+  for (path, x), axis in zip(with_paths, leaf_axes):
+    if not _tree.is_clippable(x):
+      continue
+    ndim = len(np.shape(x))
+    if axis is None:
+      keep.append(())
+    elif -ndim <= axis < ndim:
+      keep.append((axis % ndim,))
+    else:
+      raise ValueError(
+          f"`{fn}(layer_axis={axis})` is out of range for leaf "
+          f"{jax.tree_util.keystr(path)} of shape {tuple(np.shape(x))}; give "
+          f"None for leaves that stack no layers")
+  return tuple(keep)
+
+
+def norm_tree(tree: PyTree, per_leaf: list[jax.Array]) -> PyTree:
+  """``per_leaf`` (one array per clippable leaf) in ``tree``'s structure,
+  None where a leaf is not clippable."""
+  leaves, treedef = jax.tree.flatten(tree)
+  values = iter(per_leaf)
+  return treedef.unflatten([next(values) if _tree.is_clippable(x) else None
+                            for x in leaves])
+
+
+def zeros(params: PyTree, keep: tuple[Keep, ...] | None, dtype) -> PyTree:
+  """The leaf norms before the first step: zeros of each norm's shape."""
+  leaves = _tree.clippable_leaves(params)
+  keep = keep or ((),) * len(leaves)
+  return norm_tree(params, [jnp.zeros([np.shape(x)[a] for a in kept], dtype)
+                            for x, kept in zip(leaves, keep)])
+
+
+def measure(fn: str, updates: PyTree, p: Any, axis_name: Any, specs: PyTree,
+            *, leaf_norms: bool, layer_axis: PyTree = None
+            ) -> tuple[jax.Array, PyTree]:
+  """The global ``p``-norm of ``updates`` and, with ``leaf_norms``, the
+  tree of its leaves' (or layers') norms (else None)."""
+  leaves = _tree.clippable_leaves(updates)
+  if not leaf_norms:
+    reduction = _norms.make_reduction(fn, updates, axis_name, specs)
+    return _norms.norm_of_leaves(leaves, p, reduction), None
+  keep = layer_keep(fn, updates, layer_axis) or ((),) * len(leaves)
+  reduction = _norms.make_reduction(fn, updates, axis_name, specs, keep)
+  per_leaf = _norms.unit_norms(leaves, p, reduction, keep)
+  if reduction.split_kept_axes is None:
+    # The norm of the leaf norms: their partial sums, read once.
+    units = [n.reshape(-1) for n in per_leaf]
+    norm = _norms.norm_of_leaves(
+        [jnp.concatenate(units)] if units else [], p)
+  else:  # layers split across devices: each holds different ones
+    norm = _norms.norm_of_leaves(
+        leaves, p, _norms.make_reduction(fn, updates, axis_name, specs))
+  return norm, norm_tree(updates, per_leaf)
+
+
+def _key_name(key: Any) -> str:
+  for attribute in ("key", "name", "idx"):
+    if hasattr(key, attribute):
+      return str(getattr(key, attribute))
+  return str(key)
+
+
+def entries(norms: PyTree, name: str = "leaf_norm") -> dict[str, jax.Array]:
+  """Flat ``stats`` entries ``name/<path>`` (``/<i>`` per layer) of a leaf
+  norm tree; none for None."""
+  if norms is None:
+    return {}
+  found, _ = jax.tree_util.tree_flatten_with_path(norms)
+  out = {}
+  for path, value in found:
+    key = "/".join([name] + [_key_name(k) for k in path])
+    value = jnp.asarray(value)
+    if value.ndim == 0:
+      out[key] = value
+    else:
+      for i in range(value.shape[0]):
+        out[f"{key}/{i}"] = value[i]
+  return out
