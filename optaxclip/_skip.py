@@ -37,12 +37,11 @@ import optax
 
 from optaxclip import (
     _counters,
-    _norms,
+    _leaf_norms,
     _placement,
     _running_stats,
     _scaling,
     _stats,
-    _tree,
     _validation,
 )
 from optaxclip._types import AxisName, Ord, Scalar
@@ -88,6 +87,9 @@ class SkipStats(NamedTuple):
     loss_var: float ``[]``: the EMA of their squared deviation.
     loss_stale_count: int32 ``[]``: accepted losses in a row tiny against
       their distance to the mean (3 start the loss statistics again).
+    leaf_norms: with ``leaf_norms=True``, the last step's norm of every
+      leaf (per layer where ``layer_axis`` says), as in ``ClipState``;
+      otherwise None.
   """
   norm: jax.Array
   count: jax.Array
@@ -109,9 +111,11 @@ class SkipStats(NamedTuple):
   loss_mean: jax.Array
   loss_var: jax.Array
   loss_stale_count: jax.Array
+  leaf_norms: PyTree = None
 
   @classmethod
-  def fresh(cls, dtype: jax.typing.DTypeLike) -> "SkipStats":
+  def fresh(cls, dtype: jax.typing.DTypeLike,
+            leaf_norms: PyTree = None) -> "SkipStats":
     """The statistics before the first step, their floats in ``dtype``."""
     return cls(norm=jnp.zeros([], dtype), count=_counters.zero(),
                skipped_count=_counters.zero(), nonfinite_count=_counters.zero(),
@@ -125,7 +129,7 @@ class SkipStats(NamedTuple):
                loss_nonfinite_count=_counters.zero(),
                loss_ema_count=_counters.zero(), loss_mean=jnp.zeros([], dtype),
                loss_var=jnp.zeros([], dtype),
-               loss_stale_count=_counters.zero())
+               loss_stale_count=_counters.zero(), leaf_norms=leaf_norms)
 
 
 class SkipState(NamedTuple):
@@ -144,11 +148,13 @@ def _extras(stats: SkipStats) -> dict[str, jax.Array]:
   rate = stats.skipped_count / jnp.maximum(stats.count, 1)
   return {"norm_std": _running_stats.safe_sqrt(stats.norm_var),
           "loss_std": _running_stats.safe_sqrt(stats.loss_var),
-          "skip_rate": rate.astype(jnp.float32)}
+          "skip_rate": rate.astype(jnp.float32),
+          **_leaf_norms.entries(stats.leaf_norms)}
 
 
 # The stale counts are bookkeeping, not statistics.
-_stats.register(SkipStats, "skip", hide=("stale_count", "loss_stale_count"),
+_stats.register(SkipStats, "skip",
+                hide=("stale_count", "loss_stale_count", "leaf_norms"),
                 extras=_extras, clips=False)
 
 
@@ -337,7 +343,8 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
               max_norm: Scalar | None = None, zscore: Scalar | None = None,
               ema_decay: Scalar = 0.99, warmup_steps: Scalar = 100, ord: Ord = 2,
               axis_name: AxisName = None, specs: PyTree = None,
-              loss_zscore: Scalar | None = None
+              loss_zscore: Scalar | None = None, leaf_norms: bool = False,
+              layer_axis: PyTree = None
               ) -> optax.GradientTransformationExtraArgs:
   """Skips whole optimizer steps on non-finite gradients, norm and loss spikes.
 
@@ -444,6 +451,10 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
     loss_zscore: skip steps whose loss (``update(..., loss=loss)``) is NaN,
       Inf, or has a z-score above it (a number > 0 or inf), or None (the
       loss only logged). Large runs use values around 6.
+    leaf_norms: keep every leaf's norm in the statistics (``skip/leaf_norm/
+      <path>``), from the same pass as the global norm.
+    layer_axis: with ``leaf_norms``, the axis that stacks layers (a tree
+      prefix of ints or None): one norm per layer.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -498,6 +509,7 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
   warmup_steps = _validation.check_integer(fn, "warmup_steps", warmup_steps, 0)
   p = _validation.check_ord(fn, ord)
   _validation.check_specs(fn, specs, axis_name)
+  _validation.check_bool(fn, "leaf_norms", leaf_norms)
   if loss_zscore is not None:
     loss_zscore = _check_loss_zscore(fn, loss_zscore)
   inner = optax.with_extra_args_support(inner)
@@ -509,26 +521,34 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
     inner_state = inner.init(params)
     _placement.check_placement(inner_state, f"{fn}(inner=...).init",
                                 "inner_state")
-    return SkipState(stats=SkipStats.fresh(_running_stats.statistics_dtype(params)),
+    dtype = _running_stats.statistics_dtype(params)
+    norms = None
+    if leaf_norms:
+      norms = _leaf_norms.zeros(
+          params, _leaf_norms.layer_keep(fn, params, layer_axis), dtype)
+    return SkipState(stats=SkipStats.fresh(dtype, norms),
                      inner_state=inner_state)
 
   def update_fn(updates, state, params=None, *, loss=None, **extra_args):
     _validation.check_update(fn, updates, state, SkipState)
     stats = state.stats
-    reduction = _norms.make_reduction(fn, updates, axis_name, specs)
-    leaves = _tree.clippable_leaves(updates)
     # NaN or Inf in any leaf and only then: the norm is overflow-safe, so
     # its finiteness is the gradients' (one pass for both questions).
+    norm, norms = _leaf_norms.measure(fn, updates, p, axis_name, specs,
+                                      leaf_norms=leaf_norms,
+                                      layer_axis=layer_axis)
     dtype = stats.norm.dtype  # the statistics' (see init), every step
-    norm = _norms.norm_of_leaves(leaves, p, reduction).astype(dtype)
     loss_scales = _placement.find_loss_scale_states(state.inner_state)
-    if loss_scales:  # the input is scaled: judge the unscaled gradients
-      norm = (norm / loss_scales[0].scale).astype(dtype)
+    unscale = ((lambda n: (n / loss_scales[0].scale).astype(dtype))
+               if loss_scales  # the input is scaled: judge the unscaled
+               else (lambda n: n.astype(dtype)))
+    norm = unscale(norm)
     judged = None
     if loss is not None:
       judged = _checked_loss(fn, loss, dtype)
       extra_args = {**extra_args, "loss": loss}  # inner's too, as given
     skip, new_stats = step(stats, norm, loss=judged, **settings)
+    new_stats = new_stats._replace(leaf_norms=jax.tree.map(unscale, norms))
 
     new_updates, new_inner = inner.update(updates, state.inner_state, params,
                                           **extra_args)

@@ -17,7 +17,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxclip import _counters, _norms, _running_stats, _scaling, _stats, _tree, _validation
+from optaxclip import (
+  _counters,
+  _leaf_norms,
+  _running_stats,
+  _scaling,
+  _stats,
+  _validation,
+)
 from optaxclip._types import AxisName, Scalar
 
 PyTree = Any
@@ -54,6 +61,9 @@ class ZClipState(NamedTuple):
     nonfinite_count: int32 ``[]``: steps whose norm was NaN or Inf.
     stale_count: int32 ``[]``: finite norms in a row, after the warm-up,
       100 times below the mean (3 start a new warm-up).
+    leaf_norms: with ``leaf_norms=True``, the last update's norm of every
+      leaf (per layer where ``layer_axis`` says), as in ``ClipState``;
+      otherwise None.
   """
   mean: jax.Array
   var: jax.Array
@@ -68,9 +78,11 @@ class ZClipState(NamedTuple):
   spike_count: jax.Array
   nonfinite_count: jax.Array
   stale_count: jax.Array
+  leaf_norms: PyTree = None
 
   @classmethod
-  def fresh(cls, dtype: jax.typing.DTypeLike, warmup_steps: int) -> "ZClipState":
+  def fresh(cls, dtype: jax.typing.DTypeLike, warmup_steps: int,
+            leaf_norms: PyTree = None) -> "ZClipState":
     """The state before the first step: an empty warm-up buffer."""
     return cls(mean=jnp.zeros([], dtype), var=jnp.zeros([], dtype),
                warmup_norms=jnp.zeros([warmup_steps], dtype),
@@ -78,16 +90,19 @@ class ZClipState(NamedTuple):
                z=jnp.zeros([], dtype), threshold=jnp.zeros([], dtype),
                scale=jnp.ones([], dtype), count=_counters.zero(),
                clipped_count=_counters.zero(), spike_count=_counters.zero(),
-               nonfinite_count=_counters.zero(), stale_count=_counters.zero())
+               nonfinite_count=_counters.zero(), stale_count=_counters.zero(),
+               leaf_norms=leaf_norms)
 
 
 def _extras(state: ZClipState) -> dict[str, jax.Array]:
   return {"std": _running_stats.safe_sqrt(state.var),
-          "clip_rate": _counters.clip_rate(state)}
+          "clip_rate": _counters.clip_rate(state),
+          **_leaf_norms.entries(state.leaf_norms)}
 
 
 _stats.register(ZClipState, "zclip", extras=_extras,
-                hide=("var", "warmup_norms", "collected", "stale_count"))
+                hide=("var", "warmup_norms", "collected", "stale_count",
+                      "leaf_norms"))
 
 
 def _safe_divide(numerator: jax.Array, denominator: jax.Array,
@@ -194,7 +209,8 @@ def zclip(*, alpha: Scalar = 0.97, z_thresh: Scalar = 2.5,
           max_grad_norm: Scalar = 1.0, eps: Scalar = 1e-6, warmup_steps: int = 25,
           mode: Mode = "zscore", clip_option: ClipOption = "adaptive_scaling",
           clip_factor: Scalar = 1.0, skip_update_on_spike: bool = False,
-          axis_name: AxisName = None, specs: PyTree = None
+          axis_name: AxisName = None, specs: PyTree = None,
+          leaf_norms: bool = False, layer_axis: PyTree = None
           ) -> optax.GradientTransformation:
   """Clips gradient-norm spikes detected by a z-score against an EMA (ZClip).
 
@@ -279,6 +295,10 @@ def zclip(*, alpha: Scalar = 0.97, z_thresh: Scalar = 2.5,
       split over: the norm is global across devices, with one all-reduce.
     specs: with ``axis_name``, the updates' ``PartitionSpec`` (tree prefix):
       replicated leaves count once.
+    leaf_norms: keep every leaf's norm in the state (``zclip/leaf_norm/
+      <path>``), from the same pass as the global norm.
+    layer_axis: with ``leaf_norms``, the axis that stacks layers (a tree
+      prefix of ints or None): one norm per layer.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a ``ZClipState``.
@@ -312,10 +332,16 @@ def zclip(*, alpha: Scalar = 0.97, z_thresh: Scalar = 2.5,
   clip_factor = _validation.check_nonnegative(fn, "clip_factor", clip_factor)
   _validation.check_bool(fn, "skip_update_on_spike", skip_update_on_spike)
   _validation.check_specs(fn, specs, axis_name)
+  _validation.check_bool(fn, "leaf_norms", leaf_norms)
 
   def init_fn(params):
     length = _validation.require_buffer_size(fn, "warmup_steps", size)
-    return ZClipState.fresh(_running_stats.statistics_dtype(params), length)
+    dtype = _running_stats.statistics_dtype(params)
+    norms = None
+    if leaf_norms:
+      norms = _leaf_norms.zeros(
+          params, _leaf_norms.layer_keep(fn, params, layer_axis), dtype)
+    return ZClipState.fresh(dtype, length, norms)
 
   settings = {"alpha": alpha, "z_thresh": z_thresh,
               "max_grad_norm": max_grad_norm, "eps": eps, "mode": mode,
@@ -325,11 +351,13 @@ def zclip(*, alpha: Scalar = 0.97, z_thresh: Scalar = 2.5,
   def update_fn(updates, state, params=None):
     del params
     _validation.check_update(fn, updates, state, ZClipState)
-    reduction = _norms.make_reduction(fn, updates, axis_name, specs)
-    leaves = _tree.clippable_leaves(updates)
+    norm, norms = _leaf_norms.measure(fn, updates, 2, axis_name, specs,
+                                      leaf_norms=leaf_norms,
+                                      layer_axis=layer_axis)
     dtype = state.mean.dtype  # the statistics' (see init), every step
-    norm = _norms.norm_of_leaves(leaves, 2, reduction).astype(dtype)
-    factor, new_state = step(state, norm, **settings)
+    factor, new_state = step(state, norm.astype(dtype), **settings)
+    new_state = new_state._replace(
+        leaf_norms=jax.tree.map(lambda n: n.astype(dtype), norms))
     return _scaling.scale_leaves(updates, factor), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)
