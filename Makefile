@@ -22,7 +22,9 @@ demo: install-demo
 test: install-test
 	$(PY) -m ruff check optaxclip tests benchmarks examples
 	$(VENV)/bin/pyright
-	$(PY) -m pytest -q
+	# One pytest worker per core (pytest-xdist): most tests compile XLA programs
+	# on one thread.
+	$(PY) -m pytest -q -n auto
 
 docs: install-test
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
