@@ -19,11 +19,11 @@ install-demo: $(PY)
 demo: install-demo
 	$(PY) examples/demo.py
 
+# One pytest worker per core (pytest-xdist): the tests mostly compile XLA
+# programs, each on one thread.
 test: install-test
 	$(PY) -m ruff check optaxclip tests benchmarks examples
 	$(VENV)/bin/pyright
-	# One pytest worker per core (pytest-xdist): most tests compile XLA programs
-	# on one thread.
 	$(PY) -m pytest -q -n auto
 
 docs: install-test
