@@ -28,23 +28,11 @@ def leaf_labels(fn: str, tree: PyTree, groups: Any) -> list[str]:
   """The label of every clippable leaf of ``tree``, in tree order."""
   labels = groups(tree) if callable(groups) else groups
 
-  def broadcast(label, subtree):
-    if not isinstance(label, str):
-      raise TypeError(
-          f"`{fn}(groups=...)` must hold strings (group labels), got "
-          f"{label!r} of type {type(label).__name__}")
-    return jax.tree.map(lambda _: label, subtree)
-
-  try:
-    per_leaf = jax.tree.map(broadcast, labels, tree,
-                            is_leaf=lambda x: isinstance(x, str))
-  except ValueError as error:
-    raise ValueError(
-        f"`{fn}(groups=...)` must be a tree prefix of the gradients with "
-        f"string leaves (as optax.partition's param_labels), or a callable "
-        f"returning one; it does not match the gradient tree: {error}"
-    ) from None
-  with_labels = jax.tree.leaves(per_leaf)
+  with_labels = _tree.broadcast_prefix(
+      fn, "groups", labels, tree, is_value=lambda x: isinstance(x, str),
+      holds="strings (group labels)",
+      like="a tree prefix of the gradients with string leaves (as "
+           "optax.partition's param_labels), or a callable returning one")
   return [label for label, x in zip(with_labels, jax.tree.leaves(tree))
           if _tree.is_clippable(x)]
 

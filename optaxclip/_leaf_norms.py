@@ -39,23 +39,12 @@ def layer_keep(fn: str, tree: PyTree, layer_axis: PyTree
   """
   if layer_axis is None:
     return None
-
-  def broadcast(axis, subtree):
-    if not _is_axis(axis):
-      raise TypeError(
-          f"`{fn}(layer_axis=...)` must hold ints (the axis that stacks "
-          f"layers) or None, got {axis!r} of type {type(axis).__name__}")
-    return jax.tree.map(lambda _: axis, subtree)
-
-  try:
-    axes = jax.tree.map(broadcast, layer_axis, tree, is_leaf=_is_axis)
-  except ValueError as error:
-    raise ValueError(
-        f"`{fn}(layer_axis=...)` must be an int or a tree prefix of the "
-        f"gradients with int or None leaves (as optax.partition's labels); "
-        f"it does not match the gradient tree: {error}") from None
+  leaf_axes = _tree.broadcast_prefix(
+      fn, "layer_axis", layer_axis, tree, is_value=_is_axis,
+      holds="ints (the axis that stacks layers) or None",
+      like="an int or a tree prefix of the gradients with int or None "
+           "leaves (as optax.partition's labels)")
   with_paths, _ = jax.tree_util.tree_flatten_with_path(tree)
-  leaf_axes = jax.tree.leaves(axes, is_leaf=lambda x: x is None)
   keep = []
   for (path, x), axis in zip(with_paths, leaf_axes):
     if not _tree.is_clippable(x):

@@ -153,23 +153,13 @@ def _is_spec(x: Any) -> bool:
 
 def _leaf_specs(fn: str, tree: PyTree, specs: PyTree) -> list[Any]:
   """One PartitionSpec per leaf of ``tree`` (``specs`` is a tree prefix)."""
-  def broadcast(spec, subtree):
-    if not _is_spec(spec):
-      raise TypeError(
-          f"`{fn}(specs=...)` must hold PartitionSpecs (or None), got "
-          f"{spec!r} of type {type(spec).__name__}")
-    spec = jax.sharding.PartitionSpec() if spec is None else spec
-    return jax.tree.map(lambda _: spec, subtree)
-
-  try:
-    leaf_specs = jax.tree.map(broadcast, specs, tree, is_leaf=_is_spec)
-  except ValueError as error:
-    raise ValueError(
-        f"`{fn}(specs=...)` must be a PartitionSpec or a tree prefix of the "
-        f"gradients with PartitionSpec leaves (as shard_map's in_specs); "
-        f"it does not match the gradient tree: {error}") from None
-  return jax.tree.leaves(
-      leaf_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  specs = _tree.broadcast_prefix(
+      fn, "specs", specs, tree, is_value=_is_spec,
+      holds="PartitionSpecs (or None)",
+      like="a PartitionSpec or a tree prefix of the gradients with "
+           "PartitionSpec leaves (as shard_map's in_specs)")
+  return [jax.sharding.PartitionSpec() if spec is None else spec
+          for spec in specs]
 
 
 def make_reduction(fn: str, tree: PyTree, axis_name: Any, specs: PyTree,

@@ -68,6 +68,38 @@ def map_clippable_indexed(fn: Callable[[jax.Array, int], jax.Array],
   return treedef.unflatten(out)
 
 
+class _Box:
+  """Holds one value as an opaque pytree leaf (None included)."""
+
+  def __init__(self, value: Any):
+    self.value = value
+
+
+def broadcast_prefix(fn: str, arg: str, prefix: PyTree, tree: PyTree, *,
+                     is_value: Callable[[Any], bool], holds: str,
+                     like: str) -> list[Any]:
+  """The value ``prefix`` gives each leaf of ``tree`` (every leaf, in order).
+
+  ``prefix`` is a tree prefix of ``tree`` whose leaves pass ``is_value``
+  (as ``shard_map``'s ``in_specs`` or ``optax.partition``'s labels); a
+  TypeError says it must hold ``holds``, a ValueError that it must be
+  ``like`` and does not match the tree.
+  """
+  def broadcast(value, subtree):
+    if not is_value(value):
+      raise TypeError(f"`{fn}({arg}=...)` must hold {holds}, got {value!r} "
+                      f"of type {type(value).__name__}")
+    return jax.tree.map(lambda _: _Box(value), subtree)
+
+  try:
+    boxed = jax.tree.map(broadcast, prefix, tree, is_leaf=is_value)
+  except ValueError as error:
+    raise ValueError(f"`{fn}({arg}=...)` must be {like}; it does not match "
+                     f"the gradient tree: {error}") from None
+  return [box.value for box in
+          jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(x, _Box))]
+
+
 def accumulation_dtype(leaves: list[Any]) -> jnp.dtype:
   """float32, or float64 when any leaf is (complex) float64.
 
