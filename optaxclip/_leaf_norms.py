@@ -32,6 +32,25 @@ def _is_axis(x: Any) -> bool:
                        and not isinstance(x, (bool, np.bool_)))
 
 
+def _check_axis(fn: str, axis: Any) -> None:
+  if not _is_axis(axis):
+    # optax.inject_hyperparams turns an int argument into an array.
+    hint = (" (under optax.inject_hyperparams, pass "
+            "static_args=('layer_axis',))"
+            if isinstance(axis, (jax.Array, np.ndarray)) else "")
+    raise TypeError(
+        f"`{fn}(layer_axis=...)` must hold ints (the axis that stacks "
+        f"layers) or None, got {axis!r} of type {type(axis).__name__}{hint}")
+
+
+def check_layer_axis(fn: str, layer_axis: PyTree) -> PyTree:
+  """``layer_axis`` with int or None leaves, or a TypeError when the
+  transform is built (whether it fits the gradients is known at ``init``)."""
+  for axis in jax.tree.leaves(layer_axis, is_leaf=_is_axis):
+    _check_axis(fn, axis)
+  return layer_axis
+
+
 def layer_keep(fn: str, tree: PyTree, layer_axis: PyTree
                ) -> tuple[Keep, ...] | None:
   """Per clippable leaf of ``tree``, the axes its norm keeps: ``(axis,)``
@@ -41,10 +60,7 @@ def layer_keep(fn: str, tree: PyTree, layer_axis: PyTree
     return None
 
   def broadcast(axis, subtree):
-    if not _is_axis(axis):
-      raise TypeError(
-          f"`{fn}(layer_axis=...)` must hold ints (the axis that stacks "
-          f"layers) or None, got {axis!r} of type {type(axis).__name__}")
+    _check_axis(fn, axis)
     return jax.tree.map(lambda _: axis, subtree)
 
   try:

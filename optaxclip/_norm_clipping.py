@@ -313,6 +313,7 @@ def _norm_clipper(fn: str, max_norm, p, eps, axis_name, specs, nonfinite, *,
   _validation.check_choice(fn, "nonfinite", nonfinite, _nonfinite.MODES)
   _validation.check_specs(fn, specs, axis_name)
   _validation.check_bool(fn, "leaf_norms", leaf_norms)
+  layer_axis = _leaf_norms.check_layer_axis(fn, layer_axis)
   clip = _clip_each if per_leaf else _clip_global
 
   def init_fn(params):
@@ -352,6 +353,8 @@ def _group_clipper(fn: str, max_norm, p, eps, axis_name, specs, nonfinite,
   _validation.check_choice(fn, "nonfinite", nonfinite, _nonfinite.MODES)
   _validation.check_specs(fn, specs, axis_name)
   _validation.check_bool(fn, "leaf_norms", leaf_norms)
+  layer_axis = _leaf_norms.check_layer_axis(fn, layer_axis)
+  groups = _groups.check_labels(fn, groups)
 
   def init_fn(params):
     keep = _leaf_norms.layer_keep(fn, params, layer_axis)
@@ -388,14 +391,14 @@ def _group_clipper(fn: str, max_norm, p, eps, axis_name, specs, nonfinite,
         norm, _groups.limit_of(fn, max_norm, label), eps)
                for label, norm in norms.items()}
     finite = {label: jnp.isfinite(norm) for label, norm in norms.items()}
-    if nonfinite == "raise":
+    if nonfinite == "raise" and norms:  # (no groups: an empty tree)
       _nonfinite.raise_if_nonfinite(
           fn, updates, jnp.max(jnp.stack(list(norms.values()))))
     elif nonfinite == "zero":
       factors = {label: jnp.where(finite[label], f, 0)
                  for label, f in factors.items()}
     clipped = _scaling.scale_leaves(
-        updates, jnp.stack([factors[label] for label in labels]))
+        updates, [factors[label] for label in labels])
     if nonfinite == "zero":
       clipped = _tree.map_clippable_indexed(
           lambda x, i: jnp.where(finite[labels[i]], x, jnp.zeros_like(x)),
@@ -410,7 +413,9 @@ def _group_clipper(fn: str, max_norm, p, eps, axis_name, specs, nonfinite,
                                   clipped=factors[label] < 1))
     kept_norms = None
     if leaf_norms:
-      dtype = next(iter(state.groups.values())).norm.dtype
+      # The state's dtype (no group at all: an empty tree, nothing kept).
+      dtype = next((group.norm.dtype for group in state.groups.values()),
+                   jnp.float32)
       kept_norms = _leaf_norms.norm_tree(
           updates, [n.astype(dtype) for n in per_leaf])
     return clipped, GroupClipState(new_groups, kept_norms)
