@@ -44,6 +44,19 @@ def _take(vector: jax.Array, indices) -> jax.Array:
   return taken.reshape(indices.shape)
 
 
+def _replicated(piece: jax.Array) -> jax.Array:
+  """``piece`` (a few units' partials) replicated where an Explicit mesh
+  splits it (a layer axis sharded over a mesh axis): pieces of every
+  layout then concatenate, as on an Auto mesh, where XLA does the same."""
+  sharding = getattr(jax.typeof(piece), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if (mesh is None or mesh.empty or all(s is None for s in sharding.spec)
+      or any(t != jax.sharding.AxisType.Explicit for t in mesh.axis_types)):
+    return piece
+  return jax.sharding.reshard(
+      piece, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
 class Group(NamedTuple):
   """Values reduced together: a leaf, a stack of leaves, or (merged) a flat
   concatenation of leaves that only a total is wanted of."""
@@ -155,7 +168,7 @@ class Grouped:
     for group in groups:
       assert group.units is not None, "per unit needs unmerged groups"
       values = elementwise(group.values, group)
-      pieces.append(reduce(values, axis=group.reduced).reshape(-1))
+      pieces.append(_replicated(reduce(values, axis=group.reduced).reshape(-1)))
       order.append(group.units.reshape(-1))
     vector = jnp.concatenate(pieces)
     order = np.concatenate(order)

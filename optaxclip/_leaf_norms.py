@@ -11,7 +11,9 @@ as a tree of the gradients' structure (None where a leaf is not clippable):
 a scalar per leaf, or a vector with one norm per layer. The global norm is
 then the norm of these norms: the same partial sums, no second pass over
 the gradients. ``optaxclip.stats`` names each entry by its tree path,
-``<transform>/leaf_norm/<key>/<key>/...``, with ``/<i>`` for layer ``i``.
+``<transform>/leaf_norm/<key>/<key>/...``, with ``/<i>`` for layer ``i``:
+dict keys, sequence indices and attribute names, in tree order, the
+``.value`` of a flax.nnx Variable left out (docs/logging.md).
 """
 
 import numbers
@@ -30,6 +32,13 @@ Keep = tuple[int, ...]
 def _is_axis(x: Any) -> bool:
   return x is None or (isinstance(x, numbers.Integral)
                        and not isinstance(x, (bool, np.bool_)))
+
+
+class _Axis:
+  """One leaf's layer axis (or None), as a pytree leaf."""
+
+  def __init__(self, axis: int | None):
+    self.axis = axis
 
 
 def _check_axis(fn: str, axis: Any) -> None:
@@ -61,7 +70,9 @@ def layer_keep(fn: str, tree: PyTree, layer_axis: PyTree
 
   def broadcast(axis, subtree):
     _check_axis(fn, axis)
-    return jax.tree.map(lambda _: axis, subtree)
+    # Wrapped: a None axis would be an empty subtree, and the axes of the
+    # leaves after it would shift onto the wrong leaves.
+    return jax.tree.map(lambda _: _Axis(axis), subtree)
 
   try:
     axes = jax.tree.map(broadcast, layer_axis, tree, is_leaf=_is_axis)
@@ -71,7 +82,7 @@ def layer_keep(fn: str, tree: PyTree, layer_axis: PyTree
         f"gradients with int or None leaves (as optax.partition's labels); "
         f"it does not match the gradient tree: {error}") from None
   with_paths, _ = jax.tree_util.tree_flatten_with_path(tree)
-  leaf_axes = jax.tree.leaves(axes, is_leaf=lambda x: x is None)
+  leaf_axes = [wrapped.axis for wrapped in jax.tree.leaves(axes)]
   keep = []
   for (path, x), axis in zip(with_paths, leaf_axes):
     if not _tree.is_clippable(x):
@@ -144,7 +155,12 @@ def entries(norms: PyTree, name: str = "leaf_norm") -> dict[str, jax.Array]:
   found, _ = jax.tree_util.tree_flatten_with_path(norms)
   out = {}
   for path, value in found:
-    key = "/".join([name] + [_key_name(k) for k in path])
+    keys = [_key_name(k) for k in path]
+    if path and getattr(path[-1], "name", None) == "value":
+      # A flax.nnx Variable (a Param of an nnx.State) holds its array as
+      # `.value`: `attn/kernel`, not `attn/kernel/value`.
+      keys.pop()
+    key = "/".join([name] + keys)
     value = jnp.asarray(value)
     if value.ndim == 0:
       out[key] = value
