@@ -44,15 +44,24 @@ def _take(vector: jax.Array, indices) -> jax.Array:
   return taken.reshape(indices.shape)
 
 
-def _replicated(piece: jax.Array) -> jax.Array:
-  """``piece`` (a few units' partials) replicated where an Explicit mesh
-  splits it (a layer axis sharded over a mesh axis): pieces of every
-  layout then concatenate, as on an Auto mesh, where XLA does the same."""
+def _spec(piece: jax.Array) -> Any:
+  """The PartitionSpec of ``piece`` on an Explicit mesh (else None)."""
   sharding = getattr(jax.typeof(piece), "sharding", None)
   mesh = getattr(sharding, "mesh", None)
-  if (mesh is None or mesh.empty or all(s is None for s in sharding.spec)
-      or any(t != jax.sharding.AxisType.Explicit for t in mesh.axis_types)):
+  if (mesh is None or mesh.empty or any(
+      t != jax.sharding.AxisType.Explicit for t in mesh.axis_types)):
+    return None
+  return tuple(sharding.spec)
+
+
+def _replicated(piece: jax.Array) -> jax.Array:
+  """``piece`` (a few units' partials) replicated where an Explicit mesh
+  splits it (a layer axis sharded over a mesh axis), so that it
+  concatenates with pieces of other layouts (on an Auto mesh XLA decides)."""
+  spec = _spec(piece)
+  if spec is None or all(s is None for s in spec):
     return piece
+  mesh = jax.typeof(piece).sharding.mesh
   return jax.sharding.reshard(
       piece, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
@@ -168,8 +177,10 @@ class Grouped:
     for group in groups:
       assert group.units is not None, "per unit needs unmerged groups"
       values = elementwise(group.values, group)
-      pieces.append(_replicated(reduce(values, axis=group.reduced).reshape(-1)))
+      pieces.append(reduce(values, axis=group.reduced).reshape(-1))
       order.append(group.units.reshape(-1))
+    if len({_spec(piece) for piece in pieces}) > 1:
+      pieces = [_replicated(piece) for piece in pieces]
     vector = jnp.concatenate(pieces)
     order = np.concatenate(order)
     if not np.array_equal(order, np.arange(order.size)):
