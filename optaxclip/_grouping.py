@@ -45,25 +45,24 @@ def _take(vector: jax.Array, indices) -> jax.Array:
 
 
 def _spec(piece: jax.Array) -> Any:
-  """The PartitionSpec of ``piece`` on an Explicit mesh (else None)."""
+  """``(mesh, spec)`` of ``piece`` on an Explicit mesh, else None."""
   sharding = getattr(jax.typeof(piece), "sharding", None)
   mesh = getattr(sharding, "mesh", None)
-  if (mesh is None or mesh.empty or any(
+  if (sharding is None or mesh is None or mesh.empty or any(
       t != jax.sharding.AxisType.Explicit for t in mesh.axis_types)):
     return None
-  return tuple(sharding.spec)
+  return mesh, tuple(sharding.spec)
 
 
 def _replicated(piece: jax.Array) -> jax.Array:
   """``piece`` (a few units' partials) replicated where an Explicit mesh
   splits it (a layer axis sharded over a mesh axis), so that it
   concatenates with pieces of other layouts (on an Auto mesh XLA decides)."""
-  spec = _spec(piece)
-  if spec is None or all(s is None for s in spec):
+  layout = _spec(piece)
+  if layout is None or all(s is None for s in layout[1]):
     return piece
-  mesh = jax.typeof(piece).sharding.mesh
   return jax.sharding.reshard(
-      piece, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+      piece, jax.sharding.NamedSharding(layout[0], jax.sharding.PartitionSpec()))
 
 
 class Group(NamedTuple):

@@ -328,19 +328,20 @@ def _norm_clipper(fn: str, max_norm, p, eps, axis_name, specs, nonfinite, *,
     _validation.check_state(fn, state, ClipState)
     clipped = clip(fn, updates, max_norm, p, eps, axis_name, specs,
                    leaf_norms=leaf_norms, layer_axis=layer_axis)
-    updates, norm, factor = clipped.tree, clipped.norm, clipped.factor
+    out, norm, factor = clipped.tree, clipped.norm, clipped.factor
     finite = jnp.isfinite(norm)
     if nonfinite == "raise":
+      # The leaves as given: in the clipped ones a NaN factor is everywhere.
       _nonfinite.raise_if_nonfinite(fn, updates, norm)
     elif nonfinite == "zero":
-      updates = _scaling.zero_unless(finite, updates)
+      out = _scaling.zero_unless(finite, out)
       factor = jnp.where(finite, factor, 0)
     dtype = state.norm.dtype
     new_state = ClipState(
         norm=norm.astype(dtype), scale=factor.astype(dtype),
         **_counters.step_counts(state, finite=finite, clipped=factor < 1),
         leaf_norms=jax.tree.map(lambda n: n.astype(dtype), clipped.leaf_norms))
-    return updates, new_state
+    return out, new_state
 
   return optax.GradientTransformation(init_fn, update_fn)
 

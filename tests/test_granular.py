@@ -496,6 +496,21 @@ def test_nonfinite_raise_names_the_leaf():
     tx.update(grads, tx.init(grads))
 
 
+@pytest.mark.parametrize("make", [
+    lambda: oc.clip_by_global_norm(1.0, nonfinite="raise"),
+    lambda: oc.clip_by_global_norm(1.0, nonfinite="raise", leaf_norms=True),
+    lambda: oc.clip_by_norm(1.0, nonfinite="raise", layer_axis=0),
+    lambda: oc.clip_grad_norm(1.0, error_if_nonfinite=True)],
+    ids=["global", "leaf_norms", "per_layer", "grad_norm"])
+def test_nonfinite_raise_names_only_the_leaves_that_hold_it(make):
+  # Not the clipped leaves: a NaN factor makes every one of them NaN.
+  bad = {"decoder": jnp.ones((2, 2)), "encoder": jnp.array([[1.0, jnp.nan]])}
+  tx = make()
+  with pytest.raises(oc.NonFiniteGradientError,
+                     match=r"Leaves holding NaN or Inf: \['encoder'\]\. Pass"):
+    tx.update(bad, tx.init(bad))
+
+
 def test_groups_on_a_tree_without_floating_leaves():
   tree = {"step": jnp.int32(3), "frozen": None}
   for nonfinite in ("propagate", "zero", "raise"):
