@@ -196,6 +196,9 @@ def clip_by_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
     axis_name: under ``shard_map``/``pmap``, the axis name(s) leaves are split
       over; see ``global_norm``.
     specs: with ``axis_name``, the leaves' ``PartitionSpec`` (tree prefix).
+    layer_axis: an int, or a tree prefix of the updates with int or None
+      leaves: the axis that stacks scanned layers. Each layer's slice is then
+      clipped by its own norm.
 
   Returns:
     The clipped tree, with each leaf's dtype.
@@ -449,6 +452,12 @@ def clip_by_norm(max_norm: Scalar, *, ord: Ord = 2, eps: Scalar = 0.0,
     specs: with ``axis_name``, the leaves' ``PartitionSpec`` (tree prefix).
     nonfinite: ``"propagate"``, ``"zero"`` or ``"raise"``: what to do when a
       norm is NaN or Inf.
+    layer_axis: an int, or a tree prefix of the updates with int or None
+      leaves: the axis that stacks scanned layers. Each layer's slice is then
+      clipped by its own norm (a vector of norms per such leaf).
+    leaf_norms: keep the norm of every floating leaf in the state
+      (``ClipState.leaf_norms``, reported by ``optaxclip.stats`` as
+      ``clip/leaf_norm/<path>[/<layer>]``), from the same partial sums.
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -505,9 +514,23 @@ def clip_by_global_norm(max_norm: Scalar, *, ord: Ord = 2, eps: Scalar = 0.0,
       hold NaN/Inf, eagerly and under ``jit``). ``"propagate"`` and
       ``"zero"`` count such steps in the state's ``nonfinite_count``;
       ``"raise"`` returns no state.
+    leaf_norms: keep the norm of every floating leaf in the state
+      (``ClipState.leaf_norms``, reported by ``optaxclip.stats`` as
+      ``clip/leaf_norm/<path>[/<layer>]``), from the same partial sums as the
+      global norm (no second pass).
+    layer_axis: an int, or a tree prefix of the updates with int or None
+      leaves: the axis that stacks scanned layers. With ``leaf_norms``, those
+      leaves keep one norm per layer; the global norm does not change.
+    groups: labels for norm groups: a tree prefix of the updates with string
+      leaves (as ``optax.partition``'s ``param_labels``) or a callable from
+      the updates to one. Each group is clipped by its own global norm, all
+      from one pass (and one all-reduce); ``max_norm`` may then be a dict
+      from label to limit, and the state is a ``GroupClipState``
+      (``stats``: ``clip/<label>/norm``, ...).
 
   Returns:
-    An ``optax.GradientTransformation`` whose state is a ``ClipState``.
+    An ``optax.GradientTransformation`` whose state is a ``ClipState`` (with
+    ``groups``, a ``GroupClipState``).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -521,6 +544,16 @@ def clip_by_global_norm(max_norm: Scalar, *, ord: Ord = 2, eps: Scalar = 0.0,
     Array([-0.6, -0.8], dtype=float32)
     >>> oc.stats(state)["clip/norm"]
     Array(5., dtype=float32)
+    >>> grads = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([[0.3], [0.4]])}
+    >>> tx = oc.clip_by_global_norm(1.0, leaf_norms=True, layer_axis={"a": None, "b": 0})
+    >>> _, state = tx.update(grads, tx.init(grads))
+    >>> state.leaf_norms
+    {'a': Array(5., dtype=float32), 'b': Array([0.3, 0.4], dtype=float32)}
+    >>> tx = oc.clip_by_global_norm({"x": 1.0, "y": 1.0}, groups={"a": "x", "b": "y"})
+    >>> updates, state = tx.update(grads, tx.init(grads))
+    >>> updates["b"]  # its group's norm is 0.5: not clipped
+    Array([[0.3],
+           [0.4]], dtype=float32)
   """
   fn = "clip_by_global_norm"
   p = _validation.check_ord(fn, ord)
@@ -564,6 +597,8 @@ def clip_grad_norm(max_norm: Scalar, norm_type: Ord = 2.0, *,
       flag), naming the leaves that hold them; otherwise they propagate.
     axis_name: under ``shard_map``/``pmap``, as in ``clip_by_global_norm``.
     specs: with ``axis_name``, as in ``clip_by_global_norm``.
+    leaf_norms: as in ``clip_by_global_norm``.
+    layer_axis: as in ``clip_by_global_norm`` (per-layer leaf norms).
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a ``ClipState``.
