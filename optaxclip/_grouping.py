@@ -44,6 +44,27 @@ def _take(vector: jax.Array, indices) -> jax.Array:
   return taken.reshape(indices.shape)
 
 
+def _spec(piece: jax.Array) -> Any:
+  """``(mesh, spec)`` of ``piece`` on an Explicit mesh, else None."""
+  sharding = getattr(jax.typeof(piece), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if (sharding is None or mesh is None or mesh.empty or any(
+      t != jax.sharding.AxisType.Explicit for t in mesh.axis_types)):
+    return None
+  return mesh, tuple(sharding.spec)
+
+
+def _replicated(piece: jax.Array) -> jax.Array:
+  """``piece`` (a few units' partials) replicated where an Explicit mesh
+  splits it (a layer axis sharded over a mesh axis), so that it
+  concatenates with pieces of other layouts (on an Auto mesh XLA decides)."""
+  layout = _spec(piece)
+  if layout is None or all(s is None for s in layout[1]):
+    return piece
+  return jax.sharding.reshard(
+      piece, jax.sharding.NamedSharding(layout[0], jax.sharding.PartitionSpec()))
+
+
 class Group(NamedTuple):
   """Values reduced together: a leaf, a stack of leaves, or (merged) a flat
   concatenation of leaves that only a total is wanted of."""
@@ -157,6 +178,8 @@ class Grouped:
       values = elementwise(group.values, group)
       pieces.append(reduce(values, axis=group.reduced).reshape(-1))
       order.append(group.units.reshape(-1))
+    if len({_spec(piece) for piece in pieces}) > 1:
+      pieces = [_replicated(piece) for piece in pieces]
     vector = jnp.concatenate(pieces)
     order = np.concatenate(order)
     if not np.array_equal(order, np.arange(order.size)):

@@ -24,6 +24,22 @@ PyTree = Any
 Labels = Callable[[PyTree], PyTree] | PyTree
 
 
+def _check_label(fn: str, label: Any) -> None:
+  if not isinstance(label, str):
+    raise TypeError(
+        f"`{fn}(groups=...)` must hold strings (group labels), got "
+        f"{label!r:.80} of type {type(label).__name__}")
+
+
+def check_labels(fn: str, groups: Any) -> Any:
+  """``groups``: a callable, or a tree of strings (else a TypeError when the
+  transform is built; whether it fits the gradients is known at ``init``)."""
+  if not callable(groups):
+    for label in jax.tree.leaves(groups, is_leaf=lambda x: isinstance(x, str)):
+      _check_label(fn, label)
+  return groups
+
+
 def leaf_labels(fn: str, tree: PyTree, groups: Any) -> list[str]:
   """The label of every clippable leaf of ``tree``, in tree order."""
   labels = groups(tree) if callable(groups) else groups

@@ -11,7 +11,9 @@ as a tree of the gradients' structure (None where a leaf is not clippable):
 a scalar per leaf, or a vector with one norm per layer. The global norm is
 then the norm of these norms: the same partial sums, no second pass over
 the gradients. ``optaxclip.stats`` names each entry by its tree path,
-``<transform>/leaf_norm/<key>/<key>/...``, with ``/<i>`` for layer ``i``.
+``<transform>/leaf_norm/<key>/<key>/...``, with ``/<i>`` for layer ``i``:
+dict keys, sequence indices and attribute names, in tree order, the
+``.value`` of a flax.nnx Variable left out (docs/logging.md).
 """
 
 import numbers
@@ -30,6 +32,25 @@ Keep = tuple[int, ...]
 def _is_axis(x: Any) -> bool:
   return x is None or (isinstance(x, numbers.Integral)
                        and not isinstance(x, (bool, np.bool_)))
+
+
+def _check_axis(fn: str, axis: Any) -> None:
+  if not _is_axis(axis):
+    # optax.inject_hyperparams turns an int argument into an array.
+    hint = (" (under optax.inject_hyperparams, pass "
+            "static_args=('layer_axis',))"
+            if isinstance(axis, (jax.Array, np.ndarray)) else "")
+    raise TypeError(
+        f"`{fn}(layer_axis=...)` must hold ints (the axis that stacks "
+        f"layers) or None, got {axis!r} of type {type(axis).__name__}{hint}")
+
+
+def check_layer_axis(fn: str, layer_axis: PyTree) -> PyTree:
+  """``layer_axis`` with int or None leaves, or a TypeError when the
+  transform is built (whether it fits the gradients is known at ``init``)."""
+  for axis in jax.tree.leaves(layer_axis, is_leaf=_is_axis):
+    _check_axis(fn, axis)
+  return layer_axis
 
 
 def layer_keep(fn: str, tree: PyTree, layer_axis: PyTree
@@ -117,7 +138,12 @@ def entries(norms: PyTree, name: str = "leaf_norm") -> dict[str, jax.Array]:
   found, _ = jax.tree_util.tree_flatten_with_path(norms)
   out = {}
   for path, value in found:
-    key = "/".join([name] + [_key_name(k) for k in path])
+    keys = [_key_name(k) for k in path]
+    if path and getattr(path[-1], "name", None) == "value":
+      # A flax.nnx Variable (a Param of an nnx.State) holds its array as
+      # `.value`: `attn/kernel`, not `attn/kernel/value`.
+      keys.pop()
+    key = "/".join([name] + keys)
     value = jnp.asarray(value)
     if value.ndim == 0:
       out[key] = value

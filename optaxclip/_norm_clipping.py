@@ -196,6 +196,9 @@ def clip_by_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
     axis_name: under ``shard_map``/``pmap``, the axis name(s) leaves are split
       over; see ``global_norm``.
     specs: with ``axis_name``, the leaves' ``PartitionSpec`` (tree prefix).
+    layer_axis: an int, or a tree prefix of the updates with int or None
+      leaves: the axis that stacks scanned layers. Each layer's slice is then
+      clipped by its own norm.
 
   Returns:
     The clipped tree, with each leaf's dtype.
@@ -313,6 +316,7 @@ def _norm_clipper(fn: str, max_norm, p, eps, axis_name, specs, nonfinite, *,
   _validation.check_choice(fn, "nonfinite", nonfinite, _nonfinite.MODES)
   _validation.check_specs(fn, specs, axis_name)
   _validation.check_bool(fn, "leaf_norms", leaf_norms)
+  layer_axis = _leaf_norms.check_layer_axis(fn, layer_axis)
   clip = _clip_each if per_leaf else _clip_global
 
   def init_fn(params):
@@ -327,19 +331,20 @@ def _norm_clipper(fn: str, max_norm, p, eps, axis_name, specs, nonfinite, *,
     _validation.check_state(fn, state, ClipState)
     clipped = clip(fn, updates, max_norm, p, eps, axis_name, specs,
                    leaf_norms=leaf_norms, layer_axis=layer_axis)
-    updates, norm, factor = clipped.tree, clipped.norm, clipped.factor
+    out, norm, factor = clipped.tree, clipped.norm, clipped.factor
     finite = jnp.isfinite(norm)
     if nonfinite == "raise":
+      # The leaves as given: in the clipped ones a NaN factor is everywhere.
       _nonfinite.raise_if_nonfinite(fn, updates, norm)
     elif nonfinite == "zero":
-      updates = _scaling.zero_unless(finite, updates)
+      out = _scaling.zero_unless(finite, out)
       factor = jnp.where(finite, factor, 0)
     dtype = state.norm.dtype
     new_state = ClipState(
         norm=norm.astype(dtype), scale=factor.astype(dtype),
         **_counters.step_counts(state, finite=finite, clipped=factor < 1),
         leaf_norms=jax.tree.map(lambda n: n.astype(dtype), clipped.leaf_norms))
-    return updates, new_state
+    return out, new_state
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -352,6 +357,8 @@ def _group_clipper(fn: str, max_norm, p, eps, axis_name, specs, nonfinite,
   _validation.check_choice(fn, "nonfinite", nonfinite, _nonfinite.MODES)
   _validation.check_specs(fn, specs, axis_name)
   _validation.check_bool(fn, "leaf_norms", leaf_norms)
+  layer_axis = _leaf_norms.check_layer_axis(fn, layer_axis)
+  groups = _groups.check_labels(fn, groups)
 
   def init_fn(params):
     keep = _leaf_norms.layer_keep(fn, params, layer_axis)
@@ -388,14 +395,14 @@ def _group_clipper(fn: str, max_norm, p, eps, axis_name, specs, nonfinite,
         norm, _groups.limit_of(fn, max_norm, label), eps)
                for label, norm in norms.items()}
     finite = {label: jnp.isfinite(norm) for label, norm in norms.items()}
-    if nonfinite == "raise":
+    if nonfinite == "raise" and norms:  # (no groups: an empty tree)
       _nonfinite.raise_if_nonfinite(
           fn, updates, jnp.max(jnp.stack(list(norms.values()))))
     elif nonfinite == "zero":
       factors = {label: jnp.where(finite[label], f, 0)
                  for label, f in factors.items()}
     clipped = _scaling.scale_leaves(
-        updates, jnp.stack([factors[label] for label in labels]))
+        updates, [factors[label] for label in labels])
     if nonfinite == "zero":
       clipped = _tree.map_clippable_indexed(
           lambda x, i: jnp.where(finite[labels[i]], x, jnp.zeros_like(x)),
@@ -410,7 +417,9 @@ def _group_clipper(fn: str, max_norm, p, eps, axis_name, specs, nonfinite,
                                   clipped=factors[label] < 1))
     kept_norms = None
     if leaf_norms:
-      dtype = next(iter(state.groups.values())).norm.dtype
+      # The state's dtype (no group at all: an empty tree, nothing kept).
+      dtype = next((group.norm.dtype for group in state.groups.values()),
+                   jnp.float32)
       kept_norms = _leaf_norms.norm_tree(
           updates, [n.astype(dtype) for n in per_leaf])
     return clipped, GroupClipState(new_groups, kept_norms)
@@ -443,6 +452,12 @@ def clip_by_norm(max_norm: Scalar, *, ord: Ord = 2, eps: Scalar = 0.0,
     specs: with ``axis_name``, the leaves' ``PartitionSpec`` (tree prefix).
     nonfinite: ``"propagate"``, ``"zero"`` or ``"raise"``: what to do when a
       norm is NaN or Inf.
+    layer_axis: an int, or a tree prefix of the updates with int or None
+      leaves: the axis that stacks scanned layers. Each layer's slice is then
+      clipped by its own norm (a vector of norms per such leaf).
+    leaf_norms: keep the norm of every floating leaf in the state
+      (``ClipState.leaf_norms``, reported by ``optaxclip.stats`` as
+      ``clip/leaf_norm/<path>[/<layer>]``), from the same partial sums.
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -499,9 +514,23 @@ def clip_by_global_norm(max_norm: Scalar, *, ord: Ord = 2, eps: Scalar = 0.0,
       hold NaN/Inf, eagerly and under ``jit``). ``"propagate"`` and
       ``"zero"`` count such steps in the state's ``nonfinite_count``;
       ``"raise"`` returns no state.
+    leaf_norms: keep the norm of every floating leaf in the state
+      (``ClipState.leaf_norms``, reported by ``optaxclip.stats`` as
+      ``clip/leaf_norm/<path>[/<layer>]``), from the same partial sums as the
+      global norm (no second pass).
+    layer_axis: an int, or a tree prefix of the updates with int or None
+      leaves: the axis that stacks scanned layers. With ``leaf_norms``, those
+      leaves keep one norm per layer; the global norm does not change.
+    groups: labels for norm groups: a tree prefix of the updates with string
+      leaves (as ``optax.partition``'s ``param_labels``) or a callable from
+      the updates to one. Each group is clipped by its own global norm, all
+      from one pass (and one all-reduce); ``max_norm`` may then be a dict
+      from label to limit, and the state is a ``GroupClipState``
+      (``stats``: ``clip/<label>/norm``, ...).
 
   Returns:
-    An ``optax.GradientTransformation`` whose state is a ``ClipState``.
+    An ``optax.GradientTransformation`` whose state is a ``ClipState`` (with
+    ``groups``, a ``GroupClipState``).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -515,6 +544,16 @@ def clip_by_global_norm(max_norm: Scalar, *, ord: Ord = 2, eps: Scalar = 0.0,
     Array([-0.6, -0.8], dtype=float32)
     >>> oc.stats(state)["clip/norm"]
     Array(5., dtype=float32)
+    >>> grads = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([[0.3], [0.4]])}
+    >>> tx = oc.clip_by_global_norm(1.0, leaf_norms=True, layer_axis={"a": None, "b": 0})
+    >>> _, state = tx.update(grads, tx.init(grads))
+    >>> state.leaf_norms
+    {'a': Array(5., dtype=float32), 'b': Array([0.3, 0.4], dtype=float32)}
+    >>> tx = oc.clip_by_global_norm({"x": 1.0, "y": 1.0}, groups={"a": "x", "b": "y"})
+    >>> updates, state = tx.update(grads, tx.init(grads))
+    >>> updates["b"]  # its group's norm is 0.5: not clipped
+    Array([[0.3],
+           [0.4]], dtype=float32)
   """
   fn = "clip_by_global_norm"
   p = _validation.check_ord(fn, ord)
@@ -558,6 +597,8 @@ def clip_grad_norm(max_norm: Scalar, norm_type: Ord = 2.0, *,
       flag), naming the leaves that hold them; otherwise they propagate.
     axis_name: under ``shard_map``/``pmap``, as in ``clip_by_global_norm``.
     specs: with ``axis_name``, as in ``clip_by_global_norm``.
+    leaf_norms: as in ``clip_by_global_norm``.
+    layer_axis: as in ``clip_by_global_norm`` (per-layer leaf norms).
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a ``ClipState``.

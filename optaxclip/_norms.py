@@ -32,6 +32,7 @@ of an overflowed plain sum in the branch not taken.
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -282,7 +283,7 @@ def _switch_on_order(norm_fn, p: jax.Array) -> jax.Array:
   return lax.switch(index, branches)
 
 
-def _by_order(norm_fn):
+def _by_order(norm_fn) -> Callable[..., jax.Array]:
   """``norm_fn(leaves, p, reduction, keep)``, compiled once per tree
   structure, order, reduction and kept axes.
 

@@ -9,6 +9,7 @@ axis (a layer, an AGC output unit) is split over an axis is a different unit
 on each device of it and must not be summed over that axis.
 """
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -163,7 +164,8 @@ def _leaf_specs(fn: str, tree: PyTree, specs: PyTree) -> list[Any]:
 
 
 def make_reduction(fn: str, tree: PyTree, axis_name: Any, specs: PyTree,
-                   keep: list[tuple[int, ...]] | None = None) -> Reduction:
+                   keep: Sequence[tuple[int, ...]] | None = None
+                   ) -> Reduction:
   """The reduction for ``tree``'s clippable leaves given the user's options
   (``keep``: per clippable leaf, the axes its units keep)."""
   axis_names = _validation.check_axis_name(fn, axis_name)

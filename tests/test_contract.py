@@ -55,6 +55,27 @@ CASES = {
         functools.partial(oc.clip_by_global_norm, nonfinite="raise"),
         {"max_norm": 0.5}, "max_norm"),
     "clip_grad_norm": Case(oc.clip_grad_norm, {"max_norm": 0.5}, "max_norm"),
+    # Granularity (issue 13): norms per leaf and per layer kept in the state,
+    # each layer clipped on its own, and norm groups.
+    "clip_by_global_norm_leaf_norms": Case(
+        functools.partial(oc.clip_by_global_norm, leaf_norms=True,
+                          layer_axis={"dense": {"w": 0, "b": None}, "norm": None}),
+        {"max_norm": 0.5}, "max_norm"),
+    "clip_grad_norm_leaf_norms": Case(
+        functools.partial(oc.clip_grad_norm, leaf_norms=True), {"max_norm": 0.5},
+        "max_norm"),
+    "clip_by_norm_layer_axis": Case(
+        functools.partial(oc.clip_by_norm, leaf_norms=True,
+                          layer_axis={"dense": {"w": -1, "b": 0}, "norm": None}),
+        {"max_norm": 0.5}, "max_norm"),
+    "clip_by_global_norm_groups": Case(
+        functools.partial(oc.clip_by_global_norm, leaf_norms=True,
+                          groups={"dense": "dense", "norm": "norm"}),
+        {"max_norm": 0.5}, "max_norm"),
+    "clip_by_global_norm_groups_zero": Case(
+        functools.partial(oc.clip_by_global_norm, nonfinite="zero",
+                          groups={"dense": {"w": "w", "b": "b"}, "norm": "w"}),
+        {"max_norm": 0.5}, "max_norm"),
     "clip_grad_norm_inf": Case(
         functools.partial(oc.clip_grad_norm, norm_type="inf"),
         {"max_norm": 0.5}, "max_norm"),

@@ -69,13 +69,23 @@ def _update(name):
   return call
 
 
+def _init(name):
+  """Builds with the row's arguments and calls ``init``: for what only
+  the gradients' tree can tell (a layer axis out of range, a prefix)."""
+  def call(**kwargs):
+    return BUILDERS[name](**kwargs).init(GRADS)
+  return call
+
+
 CALLS = {**BUILDERS, **FUNCTIONS,
-         **{f"{name}.update": _update(name) for name in BUILDERS}}
+         **{f"{name}.update": _update(name) for name in BUILDERS},
+         **{f"{name}.init": _init(name) for name in BUILDERS}}
 
 
 def _name(name):
   """How the messages name ``name``: without ``F.`` or ``.update``."""
-  return re.escape(name.removeprefix("F.").removesuffix(".update"))
+  return re.escape(name.removeprefix("F.").removesuffix(".update")
+                   .removesuffix(".init"))
 
 
 def _arg(name, arg):
@@ -314,6 +324,40 @@ BAD_ARGUMENTS = [
     *_rows(["adaptive_grad_clip", "F.adaptive_grad_clip"], "axis", [
         (1.5, TypeError, r" must be None, an int or a tuple of ints, got 1.5"),
         ((0, "1"), TypeError, r" must be None, an int or a tuple of ints, got \(0, '1'\)")]),
+    # --- granularity: leaf_norms, layer_axis, groups (issue 13) ---------------
+    *_rows(["clip_by_norm", "clip_by_global_norm", "clip_grad_norm"], "leaf_norms", [
+        (1, TypeError, r" must be a bool \(True or False\), got 1"),
+        ("yes", TypeError, r" must be a bool \(True or False\), got 'yes'")]),
+    *_rows(["clip_by_norm", "clip_by_global_norm", "clip_grad_norm", "F.clip_by_norm"],
+           "layer_axis", [
+               (1.5, TypeError, r" must hold ints \(the axis that stacks layers\) or "
+                r"None, got 1.5 of type float"),
+               ({"w": 0, "b": "0"}, TypeError, r" must hold ints .*got '0' of type str"),
+               ({"w": True, "b": None}, TypeError, r" must hold ints .*got True of type bool")]),
+    *[(name, {"layer_axis": 1}, ValueError,
+       rf"`{_name(name)}\(layer_axis=1\)` is out of range for leaf \['b'\] of shape "
+       r"\(3,\); give None for leaves that stack no layers")
+      for name in ("clip_by_norm.init", "clip_by_global_norm.init",
+                   "clip_grad_norm.init", "F.clip_by_norm")],
+    *_rows(["clip_by_norm.init", "clip_by_global_norm.init", "clip_grad_norm.init",
+            "F.clip_by_norm"], "layer_axis", [
+        ({"w": 0}, ValueError, r" must be an int or a tree prefix of the gradients "
+         r"with int or None leaves .*does not match the gradient tree")]),
+    *_rows(["clip_by_global_norm"], "groups", [
+        (1, TypeError, r" must hold strings \(group labels\), got 1 of type int"),
+        ({"w": "a", "b": 2}, TypeError, r" must hold strings .*got 2 of type int")]),
+    *_rows(["clip_by_global_norm.init"], "groups", [
+        ({"w": "a"}, ValueError, r" must be a tree prefix of the gradients with "
+         r"string leaves .*does not match the gradient tree")]),
+    ("clip_by_global_norm", {"max_norm": {"a": 1.0}}, TypeError,
+     _arg("clip_by_global_norm", "max_norm") + r" is a dict of per-group limits: "
+     r"pass `groups=` to label the leaves, or a number"),
+    ("clip_by_global_norm", {"max_norm": {"a": -1.0}, "groups": "a"}, ValueError,
+     r"`clip_by_global_norm\(max_norm\['a'\]=\.\.\.\)` must be a number >= 0 or "
+     r"inf, got -1.0"),
+    ("clip_by_global_norm.init", {"max_norm": {"a": 1.0}, "groups": {"w": "a", "b": "c"}},
+     ValueError, _arg("clip_by_global_norm", "max_norm") + r" has no limit for group "
+     r"'c' \(it has \['a'\]\); give every group of `groups=` one"),
     # --- trees: leaves, shapes, structures ------------------------------------
     ("F.adaptive_grad_clip", {"updates": {"x": jnp.ones((1, 2, 1, 2, 1, 2))},
                               "params": {"x": jnp.ones((1, 2, 1, 2, 1, 2))}},
