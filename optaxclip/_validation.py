@@ -299,3 +299,19 @@ def check_update(fn: str, updates: Any, state: Any, state_type: type) -> None:
   and ``check_tree``."""
   check_state(fn, state, state_type)
   check_tree(fn, "updates", updates)
+
+
+def _is_layer_axis(x: Any) -> bool:
+  return x is None or (isinstance(x, numbers.Integral)
+                       and not isinstance(x, (bool, np.bool_)))
+
+
+def check_layer_axis(fn: str, layer_axis: Any) -> Any:
+  """``layer_axis``: None, an int, or a tree prefix with int or None
+  leaves; whether it fits the gradients is only known at ``update``."""
+  for axis in jax.tree.leaves(layer_axis, is_leaf=_is_layer_axis):
+    if not _is_layer_axis(axis):
+      raise TypeError(
+          f"{_where(fn, 'layer_axis')} must hold ints (the axis that stacks "
+          f"layers) or None, got {axis!r:.80} of type {type(axis).__name__}")
+  return layer_axis
