@@ -155,7 +155,7 @@ def _layer_rms(leaves: list[jax.Array], keep: tuple[tuple[int, ...], ...],
   axis, or nothing), with ``_leaf_rms``'s rescue where a norm overflows."""
   sizes = _layer_sizes(leaves, keep, reduction)
   norms = _norms.unit_norms(leaves, 2, reduction, keep)
-  plain = [_block_rms_factors(n, np.float64(size), threshold)
+  plain = [_block_rms_factors(n, np.asarray(size), threshold)
            for n, size in zip(norms, sizes)]
   if not leaves or not _norms.BUILD_RESCUE:
     return [r for r, _ in plain], [f for _, f in plain]
@@ -171,7 +171,7 @@ def _layer_rms(leaves: list[jax.Array], keep: tuple[tuple[int, ...], ...],
     out = []
     for n, m, size, k, (rms, factors) in zip(norms, again, sizes, shifts, plain):
       big = jnp.isinf(n)
-      more = _block_rms_factors(m, np.float64(size / 4.0 ** k), threshold)
+      more = _block_rms_factors(m, np.asarray(size / 4.0 ** k), threshold)
       out.append((jnp.where(big, more[0], rms), jnp.where(big, more[1], factors)))
     return out
 
