@@ -5,7 +5,10 @@ so that its gradient norm is at most ``clipping`` times its parameter norm
 (floored at ``eps``). Units follow ``optax.adaptive_grad_clip``: scalars and
 vectors (after squeezing) are one unit, 2-D and 3-D leaves reduce over axis 0
 (linear ``IO``, multi-head), 4-D over axes 0-2 (conv ``HWIO``), 5-D over
-axes 0-3 (conv 3-D ``DHWIO``); ``axis=`` overrides.
+axes 0-3 (conv 3-D ``DHWIO``); ``axis=`` overrides. With ``layer_axis``
+(scanned layers) the units are those of each layer's slice, chosen from
+the slice's shape, and the layer axis is kept: units never mix layers.
+Under ``shard_map`` units are chosen from each leaf's whole shape.
 
 Unit norms are the library's one norm computation (``_norms``) with each
 leaf keeping its non-unit axes: float32 at least whatever the leaf dtype,

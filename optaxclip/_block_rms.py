@@ -5,8 +5,9 @@ and is multiplied by ``s = threshold / rms`` when ``rms > threshold``, else
 by 1: optax's ``u / max(1, rms / threshold)``, computed as one factor per
 leaf. The norm is the library's (``_norms``): accumulated in float32 at
 least and overflow-safe, so bf16/fp16 leaves and entries above ~1.8e19 get
-the right RMS where optax's squares overflow (its update is then 0). Norm ->
-factor -> scale -> state, as every clipper here.
+the right RMS where optax's squares overflow (its update is then 0). With
+``layer_axis`` each layer slice of a stacked leaf is a block of its own.
+Norm -> factor -> scale -> state, as every clipper here.
 """
 
 import math

@@ -310,6 +310,11 @@ def check_layer_axis(fn: str, layer_axis: Any) -> Any:
   """``layer_axis``: None, an int, or a tree prefix with int or None
   leaves; whether it fits the gradients is only known at ``update``."""
   for axis in jax.tree.leaves(layer_axis, is_leaf=_is_layer_axis):
+    if isinstance(axis, (np.ndarray, jax.Array)):
+      raise TypeError(
+          f"{_where(fn, 'layer_axis')} chooses the axes the norms keep and "
+          f"must be static: ints or None; with optax.inject_hyperparams list "
+          f"it in static_args (static_args=('layer_axis',)), got {axis!r:.80}")
     if not _is_layer_axis(axis):
       raise TypeError(
           f"{_where(fn, 'layer_axis')} must hold ints (the axis that stacks "

@@ -318,3 +318,16 @@ def test_layer_axis_under_shard_map_equals_unsharded():
                      r"threshold per layer on every device"):
     jax.jit(shard_map(split.update, mesh=mesh, in_specs=(split_specs, P()),
                       out_specs=(split_specs, P())))(sharded, split.init(tree))
+
+
+def test_layer_axis_with_inject_hyperparams_as_a_static_arg():
+  steps = stacked_steps(steps=4)
+  plain = adagc(warmup_steps=2, layer_axis=0)
+  injected = optax.inject_hyperparams(adagc, static_args=("layer_axis",))(
+      warmup_steps=2, layer_axis=0)
+  state, injected_state = plain.init(steps[0]), injected.init(steps[0])
+  for tree in steps:
+    out, state = jax.jit(plain.update)(tree, state)
+    injected_out, injected_state = jax.jit(injected.update)(tree, injected_state)
+    jax.tree.map(np.testing.assert_array_equal, out, injected_out)
+  np.testing.assert_array_equal(injected_state.inner_state.gamma, state.gamma)

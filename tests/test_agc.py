@@ -469,3 +469,18 @@ def test_units_come_from_the_whole_leaf_under_shard_map():
       mesh=mesh, in_specs=(specs, specs), out_specs=specs))
   assert_tree_close(clip(put(grads), put(params)), _optax_fn(grads, params, 0.1),
                     rtol=1e-6)
+
+
+def test_layer_axis_on_gspmd_sharded_layers():
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+  # An Auto mesh: on an Explicit one the core's per-unit reduction cannot
+  # yet reshape units sharded over mesh axes (reported).
+  mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  params = tree_of({"k": (4, 8, 16)}, seed=52)
+  grads = tree_of({"k": (4, 8, 16)}, seed=53, scale=0.03)
+  grads["k"] = grads["k"].at[3].multiply(100.0)
+  put = lambda tree: {"k": jax.device_put(tree["k"], NamedSharding(mesh, P("x", None, "y")))}
+  got = jax.jit(lambda g, p: adaptive_grad_clip_fn(g, p, 0.1, layer_axis=0))(
+      put(grads), put(params))
+  assert_tree_close(got, optax_per_layer(grads, params, {"k": 0}, 0.1), rtol=1e-6)

@@ -405,3 +405,15 @@ def test_layer_axis_shard_map_equals_unsharded(which):
   np.testing.assert_allclose(state.rms, want_state.rms, rtol=2e-6)
   np.testing.assert_allclose(state.scale, want_state.scale, rtol=2e-6)
   assert int(state.clipped_count) == 1
+
+
+def test_layer_axis_on_gspmd_sharded_layers():
+  # An Auto mesh: see test_agc.py's test of the same name.
+  mesh = jax.make_mesh((2, 4), AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  host = stacked_tree(24)
+  tree = {k: jax.device_put(x, NamedSharding(mesh, P("data") if LAYER_AXES[k] == 0 else P()))
+          for k, x in host.items()}
+  got = jax.jit(lambda t: F.clip_by_block_rms(t, 0.5, layer_axis=LAYER_AXES))(tree)
+  want = optax_per_layer(host, 0.5)
+  for k in host:
+    assert ulps(got[k], want[k], jnp.float32).max() <= F32_APART, k

@@ -325,7 +325,10 @@ BAD_ARGUMENTS = [
         ("0", TypeError, r" must hold ints \(the axis that stacks layers\) or None, "
          r"got '0' of type str"),
         ({"w": 1.5}, TypeError, r" must hold ints .* or None, got 1.5 of type float"),
-        (True, TypeError, r" must hold ints .* or None, got True of type bool")]),
+        (True, TypeError, r" must hold ints .* or None, got True of type bool"),
+        (jnp.array(0), TypeError, r" chooses the axes the norms keep and must be static: "
+         r"ints or None; with optax.inject_hyperparams list it in static_args "
+         r"\(static_args=\('layer_axis',\)\), got Array\(0")]),
     *[(name, {"layer_axis": 1}, ValueError, rf"`{_name(name)}\(layer_axis=1\)` is out "
        r"of range for leaf \['b'\] of shape \(3,\); give None for leaves that")
       for name in ("F.clip_by_block_rms", "F.adaptive_grad_clip")],
