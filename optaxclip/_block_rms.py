@@ -200,8 +200,11 @@ def _clip(fn: str, tree: PyTree, threshold, axis_name, specs,
       [a.reshape(-1) for a in arrays] or [jnp.zeros([0])])
   rms, factors = flat(rms_per_leaf), flat(factors_per_leaf)
   if reduction.split_kept_axes is not None:  # each device holds some layers
-    rms = lax.pmax(jnp.max(rms, initial=0), reduction.axis_names)[None]
-    factors = -lax.pmax(-jnp.min(factors, initial=1), reduction.axis_names)[None]
+    # The largest RMS and the smallest factor over all devices: one pmax.
+    both = lax.pmax(jnp.stack([jnp.max(rms, initial=0),
+                               -jnp.min(factors, initial=1)]),
+                    reduction.axis_names)
+    rms, factors = both[:1], -both[1:]
   return clipped, rms, factors
 
 

@@ -484,3 +484,15 @@ def test_layer_axis_on_gspmd_sharded_layers():
   got = jax.jit(lambda g, p: adaptive_grad_clip_fn(g, p, 0.1, layer_axis=0))(
       put(grads), put(params))
   assert_tree_close(got, optax_per_layer(grads, params, {"k": 0}, 0.1), rtol=1e-6)
+
+
+def test_layer_axis_nan_stays_in_its_layer_and_zero_is_finite():
+  params = tree_of({"k": (3, 4, 5)}, seed=54)
+  grads = tree_of({"k": (3, 4, 5)}, seed=55, scale=0.3)
+  bad = {"k": grads["k"].at[1, 0, 0].set(jnp.nan)}
+  got = adaptive_grad_clip_fn(bad, params, 0.1, layer_axis=0)["k"]
+  assert np.isnan(got[1, :, 0]).all() and np.isfinite(np.delete(np.asarray(got), 1, 0)).all()
+  zeros = {"k": jnp.zeros((3, 4, 5))}
+  loss = lambda g, p: jnp.sum(adaptive_grad_clip_fn(g, p, CLIPPING, layer_axis=0)["k"])
+  for gradient in jax.jit(jax.grad(loss, argnums=(0, 1)))(zeros, zeros):
+    assert np.all(np.isfinite(gradient["k"]))

@@ -417,3 +417,27 @@ def test_layer_axis_on_gspmd_sharded_layers():
   want = optax_per_layer(host, 0.5)
   for k in host:
     assert ulps(got[k], want[k], jnp.float32).max() <= F32_APART, k
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_layer_axis_dtypes_nan_and_zero(dtype):
+  x = stacked_tree(25, dtype)["kernel"]
+  got = F.clip_by_block_rms([x], 0.5, layer_axis=0)[0]
+  assert got.dtype == dtype
+  for layer in range(x.shape[0]):  # one rounding of the exact per-slice value
+    assert ulps(got[layer], exact(x[layer], 0.5), dtype).max() <= (
+        F32_FROM_EXACT if dtype == jnp.float32 else HALF_FROM_EXACT)
+  bad = x.at[1, 0, 0].set(jnp.nan)  # layer 1 only
+  tx = oc.clip_by_block_rms(0.5, layer_axis=0)
+  updates, state = tx.update([bad], tx.init([bad]))
+  assert np.isnan(np.asarray(updates[0][1], np.float64)).all()
+  # (the NaN sends the norms through the core's second pass, which sums in
+  # another order: the others stay within their roundings of the exact value)
+  for layer in (0, 2):
+    assert ulps(updates[0][layer], exact(x[layer], 0.5), dtype).max() <= (
+        F32_FROM_EXACT if dtype == jnp.float32 else HALF_FROM_EXACT)
+  assert state.nonfinite_count == 1
+  zeros = jnp.zeros((3, 4), dtype)
+  np.testing.assert_array_equal(F.clip_by_block_rms([zeros], 0.0, layer_axis=0)[0], zeros)
+  grad = jax.grad(lambda z: jnp.sum(F.clip_by_block_rms([z], 1.0, layer_axis=0)[0]))
+  assert np.isfinite(grad(jnp.zeros((3, 4)))).all()
