@@ -4,18 +4,30 @@ For the first ``warmup_steps`` steps the updates are clipped globally at
 ``lambda_abs`` while each tensor's threshold ``gamma_i`` tracks the running
 minimum of its clipped norm; afterwards tensor ``i`` is clipped at
 ``lambda_rel * gamma_i`` and ``gamma_i`` becomes an EMA of its clipped norm.
-``gamma`` is one float per clippable leaf, so the state's shape is fixed by
-the tree structure given to ``init``. A warm-up step whose global norm is an
+``gamma`` is one float per clippable leaf (per layer slice of leaves that
+stack layers, with ``layer_axis``), so the state's shape is fixed by the
+tree given to ``init``. A warm-up step whose global norm is an
 outlier does not move ``gamma`` (see ``adagc``).
 """
 
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from optaxclip import _counters, _norms, _running_stats, _scaling, _stats, _tree, _validation
+from optaxclip import (
+  _counters,
+  _leaf_norms,
+  _norms,
+  _running_stats,
+  _scaling,
+  _stats,
+  _tree,
+  _validation,
+)
 from optaxclip._types import AxisName, Scalar
 
 PyTree = Any
@@ -28,8 +40,10 @@ class AdaGCState(NamedTuple):
   given float64 parameters.
 
   Attributes:
-    gamma: float ``[clippable leaves]``: each tensor's clipped-norm
-      statistic (+inf before the first step).
+    gamma: float ``[tensors]``: each tensor's clipped-norm statistic
+      (+inf before the first step); a tensor is a clippable leaf, or with
+      ``layer_axis`` one layer's slice of it (leaf by leaf, layers in
+      order).
     norm_min: float ``[]``: the smallest global norm of the warm-up steps
       that fed ``gamma`` (+inf before the first).
     norm: float ``[]``: the pre-clip global norm of the last update.
@@ -70,7 +84,8 @@ _stats.register(AdaGCState, "adagc", hide=("gamma", "norm_min"), extras=_extras)
 
 def adagc(*, lambda_abs: Scalar = 1.0, lambda_rel: Scalar = 1.05, beta: Scalar = 0.98,
           warmup_steps: Scalar = 100, eps: Scalar = 0.0, axis_name: AxisName = None,
-          specs: PyTree = None) -> optax.GradientTransformation:
+          specs: PyTree = None, layer_axis: PyTree = None
+          ) -> optax.GradientTransformation:
   """Clips each tensor against an EMA of its own clipped norm (AdaGC).
 
   Step ``t`` (counting from 0) with gradient ``g`` and tensors ``g_i``:
@@ -136,7 +151,11 @@ def adagc(*, lambda_abs: Scalar = 1.0, lambda_rel: Scalar = 1.05, beta: Scalar =
       split over: each tensor's norm is global across devices (one
       all-reduce for all tensors).
     specs: with ``axis_name``, the updates' ``PartitionSpec`` (tree prefix):
-      replicated leaves count once.
+      replicated leaves count once. The layer axis may not be split.
+    layer_axis: for scanned (stacked) layers, the axis that stacks them (an
+      int, or a tree prefix of the updates with int or None leaves): each
+      layer's slice is a tensor of its own, with its own threshold and
+      history (``gamma`` has one entry per slice).
 
   Returns:
     An ``optax.GradientTransformation`` whose state is an ``AdaGCState``;
@@ -158,6 +177,12 @@ def adagc(*, lambda_abs: Scalar = 1.0, lambda_rel: Scalar = 1.05, beta: Scalar =
     >>> updates["a"], updates["b"]
     (Array([0.  , 0.63], dtype=float32), Array([0. , 0.5], dtype=float32))
 
+    With stacked layers, one threshold per layer:
+
+    >>> tx = adagc(warmup_steps=1, layer_axis=0)
+    >>> tx.init({"w": jnp.zeros((3, 4, 4))}).gamma.shape
+    (3,)
+
   References:
     Wang et al., [AdaGC: Enhancing LLM Pretraining Stability via Adaptive
     Gradient Clipping](https://arxiv.org/abs/2502.11034), 2025.
@@ -170,23 +195,38 @@ def adagc(*, lambda_abs: Scalar = 1.0, lambda_rel: Scalar = 1.05, beta: Scalar =
   warmup_steps = _validation.check_integer(fn, "warmup_steps", warmup_steps, 1)
   eps = _validation.check_nonnegative(fn, "eps", eps)
   _validation.check_specs(fn, specs, axis_name)
+  _validation.check_layer_axis(fn, layer_axis)
 
   def init_fn(params):
     return AdaGCState.fresh(_running_stats.statistics_dtype(params),
-                            len(_tree.clippable_leaves(params)))
+                            sum(_tensor_counts(fn, params, layer_axis)))
 
   def update_fn(updates, state, params=None):
     del params
     _validation.check_update(fn, updates, state, AdaGCState)
-    reduction = _norms.make_reduction(fn, updates, axis_name, specs)
     leaves = _tree.clippable_leaves(updates)
-    if len(leaves) != state.gamma.shape[0]:
+    keep = _leaf_norms.layer_keep(fn, updates, layer_axis)
+    reduction = _norms.make_reduction(fn, updates, axis_name, specs, keep)
+    if reduction.split_kept_axes is not None:
+      raise ValueError(
+          f"`{fn}(layer_axis=...)` keeps one threshold per layer on every "
+          f"device, but specs split a layer axis over the mesh; replicate "
+          f"the layer axis in specs, or use sharded jit (GSPMD)")
+    counts = _tensor_counts(fn, updates, layer_axis)
+    if sum(counts) != state.gamma.shape[0]:
+      what = (f"{len(leaves)} floating leaves" if keep is None else
+              f"{sum(counts)} (layer slices of {len(leaves)} floating leaves)")
       raise ValueError(
           f"`{fn}`: the state has a threshold for {state.gamma.shape[0]} "
-          f"tensors but the updates have {len(leaves)} floating leaves; "
-          f"call init with the parameters (or a tree of the same structure)")
+          f"tensors but the updates have {what}; call init with the "
+          f"parameters (or a tree of the same structure)")
     dtype = state.gamma.dtype  # the statistics' (see init), every step
-    norms = _norms.leaf_norms(leaves, 2, reduction).astype(dtype)
+    if keep is None:
+      norms = _norms.leaf_norms(leaves, 2, reduction).astype(dtype)
+    else:
+      norms = jnp.concatenate(
+          [n.reshape(-1) for n in _norms.unit_norms(leaves, 2, reduction, keep)]
+          or [jnp.zeros([0])]).astype(dtype)
     # The global norm from the per-tensor norms: no second pass over the
     # updates, no second all-reduce, and the same overflow-safe norm.
     norm = _norms.norm_of_leaves([norms], 2, _norms.LOCAL)
@@ -218,6 +258,20 @@ def adagc(*, lambda_abs: Scalar = 1.0, lambda_rel: Scalar = 1.05, beta: Scalar =
         scale=jnp.min(factors, initial=1.0).astype(dtype),
         clipped_tensors=clipped,
         **_counters.step_counts(state, finite=finite, clipped=clipped > 0))
+    if keep is not None:  # one factor per slice, to broadcast on its leaf
+      starts = np.cumsum([0, *counts])
+      factors = [factors[int(a):int(b)].reshape(
+          [d if i in kept else 1 for i, d in enumerate(x.shape)])
+          for a, b, x, kept in zip(starts, starts[1:], leaves, keep)]
     return _scaling.scale_leaves(updates, factors), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _tensor_counts(fn: str, tree: PyTree, layer_axis: PyTree) -> list[int]:
+  """Per clippable leaf, its number of tensors: 1, or its layers."""
+  leaves = _tree.clippable_leaves(tree)
+  keep = (_leaf_norms.layer_keep(fn, tree, layer_axis)
+          or ((),) * len(leaves))
+  return [math.prod(x.shape[a] for a in kept)
+          for x, kept in zip(leaves, keep)]

@@ -5,7 +5,10 @@ so that its gradient norm is at most ``clipping`` times its parameter norm
 (floored at ``eps``). Units follow ``optax.adaptive_grad_clip``: scalars and
 vectors (after squeezing) are one unit, 2-D and 3-D leaves reduce over axis 0
 (linear ``IO``, multi-head), 4-D over axes 0-2 (conv ``HWIO``), 5-D over
-axes 0-3 (conv 3-D ``DHWIO``); ``axis=`` overrides.
+axes 0-3 (conv 3-D ``DHWIO``); ``axis=`` overrides. With ``layer_axis``
+(scanned layers) the units are those of each layer's slice, chosen from
+the slice's shape, and the layer axis is kept: units never mix layers.
+Under ``shard_map`` units are chosen from each leaf's whole shape.
 
 Unit norms are the library's one norm computation (``_norms``) with each
 leaf keeping its non-unit axes: float32 at least whatever the leaf dtype,
@@ -14,6 +17,7 @@ overflows or underflows), and, under ``shard_map``, the partial sums of the
 gradients' and the parameters' units added with one all-reduce.
 """
 
+import math
 import numbers
 from typing import Any, NamedTuple
 
@@ -24,7 +28,15 @@ import optax
 from jax import lax
 from optax._src import base as optax_base
 
-from optaxclip import _counters, _norms, _stats, _tree, _validation
+from optaxclip import (
+    _counters,
+    _leaf_norms,
+    _norms,
+    _sharding,
+    _stats,
+    _tree,
+    _validation,
+)
 
 PyTree = Any
 
@@ -80,19 +92,20 @@ def _check_axis(fn: str, axis: Any) -> tuple[int, ...] | None:
   return tuple(int(a) for a in axes)
 
 
-def _unit_axes(fn: str, path: str, x: Any, axis: tuple[int, ...] | None
-               ) -> tuple[int, ...]:
-  """The axes one unit of ``x`` spans (reduced), as optax chooses them."""
-  ndim = len(x.shape)
+def _unit_axes(fn: str, where: str, shape: tuple[int, ...],
+               axis: tuple[int, ...] | None) -> tuple[int, ...]:
+  """The axes one unit of an array of ``shape`` spans (reduced), as optax
+  chooses them."""
+  ndim = len(shape)
   if ndim == 0:
     return ()
   if axis is not None:
     if any(not -ndim <= a < ndim for a in axis):
       raise ValueError(
-          f"`{fn}(axis={axis})` is out of range for leaf {path} of shape "
-          f"{tuple(x.shape)}")
+          f"`{fn}(axis={axis})` is out of range for {where} of shape "
+          f"{tuple(shape)}")
     return tuple(sorted({a % ndim for a in axis}))
-  if sum(d != 1 for d in x.shape) <= 1:  # scalars and vectors: one unit
+  if sum(d != 1 for d in shape) <= 1:  # scalars and vectors: one unit
     return tuple(range(ndim))
   if ndim in (2, 3):  # linear IO, multi-head linear
     return (0,)
@@ -101,25 +114,69 @@ def _unit_axes(fn: str, path: str, x: Any, axis: tuple[int, ...] | None
   if ndim == 5:  # conv 3-D DHWIO
     return (0, 1, 2, 3)
   raise ValueError(
-      f"`{fn}`: leaf {path} has shape {tuple(x.shape)}; units are known for "
-      f"up to 5 dimensions, pass `axis=` (the axes one unit spans) for others")
+      f"`{fn}`: {where} has shape {tuple(shape)}; units are known for up to "
+      f"5 dimensions, pass `axis=` (the axes one unit spans) for others")
 
 
-def _kept_axes(fn: str, updates: PyTree, axis: tuple[int, ...] | None
+def unit_keep(fn: str, where: str, shape: tuple[int, ...],
+              axis: tuple[int, ...] | None, layer: tuple[int, ...] = ()
+              ) -> tuple[int, ...]:
+  """The axes the units of an array of ``shape`` keep: all but the unit
+  axes; with a layer axis (``layer = (l,)``), that axis too, the unit axes
+  being chosen (and ``axis`` read) on one layer's slice, as optax would
+  for that layer alone. Units then never mix layers."""
+  if not layer:
+    reduced = _unit_axes(fn, where, shape, axis)
+    return tuple(a for a in range(len(shape)) if a not in reduced)
+  (stacked,) = layer
+  one_layer = tuple(shape[:stacked]) + tuple(shape[stacked + 1:])
+  reduced = _unit_axes(
+      fn, f"{where} (one layer's slice, layer_axis={stacked})", one_layer, axis)
+  kept = [a + (a >= stacked) for a in range(len(one_layer)) if a not in reduced]
+  return tuple(sorted([stacked, *kept]))
+
+
+def _whole_shapes(fn: str, updates: PyTree, specs: PyTree
+                  ) -> list[tuple[int, ...]]:
+  """Each clippable leaf's shape before ``shard_map`` split it: units are
+  chosen from it (a dimension split down to 1 would make a matrix look
+  like a vector)."""
+  leaves = _tree.clippable_leaves(updates)
+  if specs is None:
+    return [tuple(x.shape) for x in leaves]
+  flat = jax.tree.leaves(updates)
+  leaf_specs = [spec for x, spec in zip(flat, _sharding._leaf_specs(
+      fn, updates, specs)) if _tree.is_clippable(x)]
+  return [tuple(d * math.prod(lax.axis_size(a) for a in _sharding._spec_axes(
+      spec[i] if i < len(spec) else None)) for i, d in enumerate(x.shape))
+          for x, spec in zip(leaves, leaf_specs)]
+
+
+def _kept_axes(fn: str, updates: PyTree, axis: tuple[int, ...] | None,
+               layer_axis: PyTree = None, specs: PyTree = None
                ) -> tuple[tuple[int, ...], ...]:
-  """Per clippable leaf, the axes its units keep (all but the unit axes)."""
-  def kept(path, x):
-    reduced = _unit_axes(fn, path, x, axis)
-    return tuple(a for a in range(len(x.shape)) if a not in reduced)
-  return tuple(kept(path, x)
-               for path, x in _tree.clippable_leaves_with_paths(updates))
+  """Per clippable leaf, the axes its units keep (see ``unit_keep``)."""
+  leaves = _tree.clippable_leaves_with_paths(updates)
+  layers = (_leaf_norms.layer_keep(fn, updates, layer_axis)
+            or ((),) * len(leaves))
+  return tuple(unit_keep(fn, f"leaf {path}", shape, axis, layer)
+               for (path, _), shape, layer in zip(
+                   leaves, _whole_shapes(fn, updates, specs), layers))
+
+
+def unit_factors(g_norm: jax.Array, max_norm: jax.Array,
+                 div_eps: Any = DIV_EPS) -> jax.Array:
+  """optax's unitwise clip as a factor: 1 where ``g_norm < max_norm``,
+  else ``max_norm / max(g_norm, div_eps)`` (NaN where either is NaN)."""
+  return jnp.where(g_norm < max_norm, 1,
+                   max_norm / jnp.maximum(g_norm, jnp.asarray(div_eps, g_norm.dtype)))
 
 
 def _clip(fn: str, updates: PyTree, params: PyTree, clipping: Any, eps: Any,
-          axis: Any, axis_name: Any, specs: PyTree):
+          axis: Any, axis_name: Any, specs: PyTree, layer_axis: PyTree = None):
   """The clipped updates and ``(clipped units, units, min factor, finite)``."""
   weights = _paired_params(fn, updates, params)
-  keep = _kept_axes(fn, updates, axis)
+  keep = _kept_axes(fn, updates, axis, layer_axis, specs)
   reduction = _norms.make_reduction(fn, updates, axis_name, specs, keep)
   axis_names = reduction.axis_names
   grads = _tree.clippable_leaves(updates)
@@ -136,7 +193,7 @@ def _clip(fn: str, updates: PyTree, params: PyTree, clipping: Any, eps: Any,
   for g, p in zip(grad_norms, param_norms):
     limit = clipping * jnp.maximum(p, jnp.asarray(eps, p.dtype))
     # optax: unclipped when g < limit, else limit / max(g, 1e-6).
-    factors.append(jnp.where(g < limit, 1, limit / jnp.maximum(g, DIV_EPS)))
+    factors.append(unit_factors(g, limit))
   clipped = _tree.map_clippable_indexed(
       lambda x, i: (x * factors[i]).astype(x.dtype), updates)
   # Statistics, each unit counted once across devices.
@@ -153,11 +210,13 @@ def _clip(fn: str, updates: PyTree, params: PyTree, clipping: Any, eps: Any,
 
 
 def _check(fn: str, clipping: Any, eps: Any, axis: Any, axis_name: Any,
-           specs: PyTree) -> tuple[Any, Any, tuple[int, ...] | None]:
+           specs: PyTree, layer_axis: PyTree = None
+           ) -> tuple[Any, Any, tuple[int, ...] | None]:
   """``(clipping, eps, axes)``, checked (clamped when traced)."""
   clipping = _validation.check_nonnegative(fn, "clipping", clipping)
   eps = _validation.check_nonnegative(fn, "eps", eps)
   axes = _check_axis(fn, axis)
+  _validation.check_layer_axis(fn, layer_axis)
   if _validation.check_axis_name(fn, axis_name) and specs is None:
     raise ValueError(
         f"`{fn}(axis_name=...)` needs `specs`: whether a unit's norm is summed "
@@ -205,8 +264,8 @@ def _paired_params(fn: str, updates: PyTree, params: PyTree) -> list[Any]:
 
 def adaptive_grad_clip_fn(updates: PyTree, params: PyTree, clipping: Any, *,
                           eps: Any = 1e-3, axis: Any = None,
-                          axis_name: Any = None, specs: PyTree = None
-                          ) -> PyTree:
+                          axis_name: Any = None, specs: PyTree = None,
+                          layer_axis: PyTree = None) -> PyTree:
   """Clips each unit of ``updates`` to ``clipping`` times its parameter norm.
 
   A unit ``u`` with gradient norm ``g`` and parameter norm ``w`` is
@@ -223,12 +282,18 @@ def adaptive_grad_clip_fn(updates: PyTree, params: PyTree, clipping: Any, *,
     eps: the floor of the parameter norm, so zero-initialised parameters
       can still move (>= 0; traced, a negative or NaN value acts as 0).
     axis: the axes one unit spans (an int or a tuple), for every leaf;
-      None chooses them from each leaf's rank, as Optax does.
+      None chooses them from each leaf's rank, as Optax does. With a layer
+      axis, the axes of one layer's slice.
     axis_name: under ``shard_map``/``pmap``, the axis name(s) leaves are split
       over; needs ``specs``.
     specs: with ``axis_name``, the leaves' ``PartitionSpec`` (tree prefix);
       ``params`` are split as ``updates``. A unit's partial norms are summed
-      over the mesh axes that split one of its reduced dimensions.
+      over the mesh axes that split one of its reduced dimensions (a layer
+      axis may be split too).
+    layer_axis: for scanned (stacked) layers, the axis that stacks them: an
+      int, or a tree prefix of the updates with int or None leaves. Each
+      layer's slice is clipped as Optax's AGC clips that layer alone (its
+      units chosen from the slice's shape): units never mix layers.
 
   Returns:
     The clipped updates, with each leaf's dtype.
@@ -242,18 +307,31 @@ def adaptive_grad_clip_fn(updates: PyTree, params: PyTree, clipping: Any, *,
     Array([[0.06, 0.1 ],
            [0.08, 0.1 ]], dtype=float32)
 
+    Two stacked layers of ``[2, 2]`` kernels: each layer's column 0 is
+    clipped by its own norms (without ``layer_axis``, a unit would span
+    both layers).
+
+    >>> stacked = {"w": jnp.stack([params["w"], 10 * params["w"]])}
+    >>> big = {"w": jnp.stack([grads["w"], grads["w"]])}
+    >>> adaptive_grad_clip_fn(big, stacked, 0.1, layer_axis=0)["w"][:, :, 0]
+    Array([[0.06, 0.08],
+           [0.6 , 0.8 ]], dtype=float32)
+
   References:
     Brock et al., [High-Performance Large-Scale Image Recognition Without
     Normalization](https://arxiv.org/abs/2102.06171), 2021.
   """
   fn = "adaptive_grad_clip"
-  clipping, eps, axes = _check(fn, clipping, eps, axis, axis_name, specs)
-  clipped, _ = _clip(fn, updates, params, clipping, eps, axes, axis_name, specs)
+  clipping, eps, axes = _check(fn, clipping, eps, axis, axis_name, specs,
+                               layer_axis)
+  clipped, _ = _clip(fn, updates, params, clipping, eps, axes, axis_name, specs,
+                     layer_axis)
   return clipped
 
 
 def adaptive_grad_clip(clipping: Any, *, eps: Any = 1e-3, axis: Any = None,
-                       axis_name: Any = None, specs: PyTree = None
+                       axis_name: Any = None, specs: PyTree = None,
+                       layer_axis: PyTree = None
                        ) -> optax.GradientTransformation:
   """Clips each unit's update to ``clipping`` times its parameter norm (AGC).
 
@@ -275,11 +353,16 @@ def adaptive_grad_clip(clipping: Any, *, eps: Any = 1e-3, axis: Any = None,
       the paper's NFNets use 0.01 at batch size 4096.
     eps: the floor of the parameter norm (>= 0).
     axis: the axes one unit spans (an int or a tuple), for every leaf;
-      None chooses them from each leaf's rank, as Optax does.
+      None chooses them from each leaf's rank, as Optax does. With a layer
+      axis, the axes of one layer's slice.
     axis_name: under ``shard_map``/``pmap``, the axis name(s) leaves are split
       over; needs ``specs``.
     specs: with ``axis_name``, the leaves' ``PartitionSpec`` (tree prefix);
       the params are split as the updates.
+    layer_axis: for scanned (stacked) layers, the axis that stacks them (an
+      int, or a tree prefix of the updates with int or None leaves): each
+      layer's slice is clipped as Optax's AGC clips that layer alone, and
+      its units count one per layer in the state.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is an ``AGCState``.
@@ -302,7 +385,8 @@ def adaptive_grad_clip(clipping: Any, *, eps: Any = 1e-3, axis: Any = None,
     Normalization](https://arxiv.org/abs/2102.06171), 2021.
   """
   fn = "adaptive_grad_clip"
-  clipping, eps, axes = _check(fn, clipping, eps, axis, axis_name, specs)
+  clipping, eps, axes = _check(fn, clipping, eps, axis, axis_name, specs,
+                               layer_axis)
 
   def init_fn(params):
     del params
@@ -315,7 +399,8 @@ def adaptive_grad_clip(clipping: Any, *, eps: Any = 1e-3, axis: Any = None,
       state = init_fn(params)
     _validation.check_state(fn, state, AGCState)
     clipped, (hits, units, smallest, finite) = _clip(
-        fn, updates, params, clipping, eps, axes, axis_name, specs)
+        fn, updates, params, clipping, eps, axes, axis_name, specs,
+        layer_axis)
     new_state = AGCState(
         clipped_fraction=(hits / jnp.maximum(units, 1)).astype(jnp.float32),
         clipped_units=hits.astype(jnp.int32),
@@ -324,3 +409,87 @@ def adaptive_grad_clip(clipping: Any, *, eps: Any = 1e-3, axis: Any = None,
     return clipped, new_state
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def unitwise_norm(x: Any, *, axis: Any = None, layer_axis: int | None = None
+                  ) -> jax.Array:
+  """The L2 norm of each unit of ``x``, broadcast to ``x``'s shape.
+
+  ``optax.transforms.unitwise_norm``'s units and numbers (there ``axis`` may
+  be positional): scalars and vectors (after squeezing) are one unit, 2-D
+  and 3-D arrays reduce over axis 0, 4-D over axes 0-2, 5-D over axes 0-3;
+  ``axis`` overrides. The norm is the library's: accumulated in float32
+  at least whatever ``x``'s dtype, and overflow-safe (units whose squares
+  overflow float32 get their finite norm, where optax's is ``inf``).
+
+  Args:
+    x: an array (a number or a nested list is taken as one).
+    axis: the axes one unit spans (an int or a tuple); None chooses them
+      from ``x``'s rank. With ``layer_axis``, the axes of one layer's slice.
+    layer_axis: the axis that stacks layers (scanned layers), or None: each
+      layer's slice gets the units optax would give it alone.
+
+  Returns:
+    An array of ``x``'s shape, in float32 (float64 for float64 ``x`` under
+    x64): each entry its unit's norm.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from optaxclip.functional import unitwise_norm
+    >>> unitwise_norm(jnp.array([[3.0, 1.0], [4.0, 0.0]]))  # columns
+    Array([[5., 1.],
+           [5., 1.]], dtype=float32)
+    >>> unitwise_norm(jnp.full(4, 1e30))  # optax: inf
+    Array([2.e+30, 2.e+30, 2.e+30, 2.e+30], dtype=float32)
+  """
+  fn = "unitwise_norm"
+  axes = _check_axis(fn, axis)
+  _validation.check_layer_axis(fn, layer_axis)
+  x = jnp.asarray(x)
+  if not _tree.is_clippable(x):
+    x = x.astype(jnp.float32)  # integer and boolean arrays, as optax
+  layer = _leaf_norms.layer_keep(fn, [x], layer_axis) or ((),)
+  keep = unit_keep(fn, "x", x.shape, axes, layer[0])
+  norms = _norms.unit_norms([x], 2, _norms.LOCAL, (keep,), keepdims=True)[0]
+  return jnp.broadcast_to(norms, x.shape)
+
+
+def unitwise_clip(g_norm: Any, max_norm: Any, grad: Any, *,
+                  div_eps: Any = DIV_EPS) -> jax.Array:
+  """``grad`` scaled, entry by entry, to the norm ``max_norm``.
+
+  ``optax.transforms.unitwise_clip``'s numbers: where ``g_norm < max_norm``
+  the entry is kept, elsewhere it is multiplied by ``max_norm / max(g_norm,
+  div_eps)``. The three arrays have one shape (``unitwise_norm`` gives
+  ``g_norm`` in it); the result has ``grad``'s dtype.
+
+  Args:
+    g_norm: each entry's unit norm (as ``unitwise_norm`` returns it).
+    max_norm: each entry's largest unit norm (AGC: ``clipping * max(param
+      norm, eps)``).
+    grad: the gradient.
+    div_eps: the floor of the divisor (a finite number > 0), so that a zero
+      norm divides nothing by zero.
+
+  Returns:
+    The clipped gradient, with ``grad``'s shape and dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from optaxclip.functional import unitwise_clip, unitwise_norm
+    >>> grad = jnp.array([[3.0, 0.1], [4.0, 0.1]])
+    >>> unitwise_clip(unitwise_norm(grad), jnp.full((2, 2), 1.0), grad)
+    Array([[0.6, 0.1],
+           [0.8, 0.1]], dtype=float32)
+  """
+  fn = "unitwise_clip"
+  div_eps = _validation.check_positive(fn, "div_eps", div_eps, traced=DIV_EPS)
+  g_norm, max_norm, grad = (jnp.asarray(a) for a in (g_norm, max_norm, grad))
+  shapes = {"g_norm": g_norm.shape, "max_norm": max_norm.shape}
+  for name, shape in shapes.items():
+    if shape != grad.shape:
+      raise ValueError(
+          f"`{fn}({name}=...)` must have grad's shape {tuple(grad.shape)}, got "
+          f"{tuple(shape)}; unitwise_norm(grad) gives norms in that shape")
+  clipped = grad * unit_factors(g_norm, max_norm, div_eps)
+  return clipped.astype(grad.dtype) if _tree.is_clippable(grad) else clipped

@@ -5,8 +5,9 @@ and is multiplied by ``s = threshold / rms`` when ``rms > threshold``, else
 by 1: optax's ``u / max(1, rms / threshold)``, computed as one factor per
 leaf. The norm is the library's (``_norms``): accumulated in float32 at
 least and overflow-safe, so bf16/fp16 leaves and entries above ~1.8e19 get
-the right RMS where optax's squares overflow (its update is then 0). Norm ->
-factor -> scale -> state, as every clipper here.
+the right RMS where optax's squares overflow (its update is then 0). With
+``layer_axis`` each layer slice of a stacked leaf is a block of its own.
+Norm -> factor -> scale -> state, as every clipper here.
 """
 
 import math
@@ -20,6 +21,7 @@ from jax import lax
 
 from optaxclip import (
     _counters,
+    _leaf_norms,
     _norms,
     _running_stats,
     _scaling,
@@ -39,8 +41,8 @@ class BlockRMSState(NamedTuple):
   given float64 parameters.
 
   Attributes:
-    rms: float ``[]``: the largest leaf RMS of the last update (NaN if a
-      leaf's was).
+    rms: float ``[]``: the largest leaf (or layer slice) RMS of the last
+      update (NaN if a leaf's was).
     scale: float ``[]``: the smallest factor applied last step (1.0: no
       leaf clipped).
     count: int32 ``[]``: steps seen.
@@ -129,19 +131,86 @@ def _leaf_rms(leaves: list[jax.Array], reduction: _norms.Reduction,
   return lax.cond(jnp.any(overflowed), rescued, lambda: plain)
 
 
-def _clip(fn: str, tree: PyTree, threshold, axis_name, specs
-          ) -> tuple[PyTree, jax.Array, jax.Array]:
-  """The clipped tree, and the RMS and factor of every clippable leaf."""
+def _layer_sizes(leaves: list[jax.Array], keep: tuple[tuple[int, ...], ...],
+                 reduction: _norms.Reduction) -> list[float]:
+  """Each leaf's number of entries per layer slice, across the devices it
+  is split over (not those that split its layers: each holds others)."""
+  sizes = []
+  for i, (x, kept) in enumerate(zip(leaves, keep)):
+    size = math.prod(d for a, d in enumerate(x.shape) if a not in kept)
+    replicated = (() if reduction.replicated_axes is None
+                  else reduction.replicated_axes[i])
+    split_kept = (() if reduction.split_kept_axes is None
+                  else reduction.split_kept_axes[i])
+    for axis in reduction.axis_names:
+      if axis not in replicated and axis not in split_kept:
+        size *= lax.axis_size(axis)
+    sizes.append(float(size))
+  return sizes
+
+
+def _layer_rms(leaves: list[jax.Array], keep: tuple[tuple[int, ...], ...],
+               reduction: _norms.Reduction, threshold: Any
+               ) -> tuple[list[jax.Array], list[jax.Array]]:
+  """``(rms, factor)`` per leaf, one per layer slice (``keep``: the layer
+  axis, or nothing), with ``_leaf_rms``'s rescue where a norm overflows."""
+  sizes = _layer_sizes(leaves, keep, reduction)
+  norms = _norms.unit_norms(leaves, 2, reduction, keep)
+  plain = [_block_rms_factors(n, np.asarray(size), threshold)
+           for n, size in zip(norms, sizes)]
+  if not leaves or not _norms.BUILD_RESCUE:
+    return [r for r, _ in plain], [f for _, f in plain]
+  overflowed = jnp.any(jnp.stack([jnp.any(jnp.isinf(n)) for n in norms]))
+  if reduction.split_kept_axes is not None:  # devices hold different layers
+    overflowed = lax.pmax(overflowed.astype(jnp.int32),
+                          reduction.axis_names) > 0
+
+  def rescued():
+    shifts = [math.ceil(math.log2(max(size, 1)) / 2) for size in sizes]
+    scaled = [x * jnp.asarray(2.0 ** -k, x.dtype) for x, k in zip(leaves, shifts)]
+    again = _norms.unit_norms(scaled, 2, reduction, keep)
+    out = []
+    for n, m, size, k, (rms, factors) in zip(norms, again, sizes, shifts, plain):
+      big = jnp.isinf(n)
+      more = _block_rms_factors(m, np.asarray(size / 4.0 ** k), threshold)
+      out.append((jnp.where(big, more[0], rms), jnp.where(big, more[1], factors)))
+    return out
+
+  pairs = lax.cond(overflowed, rescued, lambda: plain)
+  return [r for r, _ in pairs], [f for _, f in pairs]
+
+
+def _clip(fn: str, tree: PyTree, threshold, axis_name, specs,
+          layer_axis: PyTree = None) -> tuple[PyTree, jax.Array, jax.Array]:
+  """The clipped tree, and the RMS and factor of every clippable leaf (or
+  layer slice), as vectors."""
   _validation.check_tree(fn, "the tree", tree)
-  reduction = _norms.make_reduction(fn, tree, axis_name, specs)
   leaves = _tree.clippable_leaves(tree)
-  rms, factors = _leaf_rms(leaves, reduction, threshold)
-  return _scaling.scale_leaves(tree, factors), rms, factors
+  keep = _leaf_norms.layer_keep(fn, tree, layer_axis)
+  reduction = _norms.make_reduction(fn, tree, axis_name, specs, keep)
+  if keep is None:
+    rms, factors = _leaf_rms(leaves, reduction, threshold)
+    return _scaling.scale_leaves(tree, factors), rms, factors
+  rms_per_leaf, factors_per_leaf = _layer_rms(leaves, keep, reduction,
+                                              threshold)
+  clipped = _scaling.scale_leaves(tree, [
+      f.reshape([d if a in kept else 1 for a, d in enumerate(x.shape)])
+      for f, x, kept in zip(factors_per_leaf, leaves, keep)])
+  flat = lambda arrays: jnp.concatenate(  # noqa: E731
+      [a.reshape(-1) for a in arrays] or [jnp.zeros([0])])
+  rms, factors = flat(rms_per_leaf), flat(factors_per_leaf)
+  if reduction.split_kept_axes is not None:  # each device holds some layers
+    # The largest RMS and the smallest factor over all devices: one pmax.
+    both = lax.pmax(jnp.stack([jnp.max(rms, initial=0),
+                               -jnp.min(factors, initial=1)]),
+                    reduction.axis_names)
+    rms, factors = both[:1], -both[1:]
+  return clipped, rms, factors
 
 
 def clip_by_block_rms_fn(tree: PyTree, threshold: Scalar, *,
-                         axis_name: AxisName = None,
-                         specs: PyTree = None) -> PyTree:
+                         axis_name: AxisName = None, specs: PyTree = None,
+                         layer_axis: PyTree = None) -> PyTree:
   """Clips every leaf of ``tree`` so that its RMS is at most ``threshold``.
 
   Each floating leaf ``u`` of ``n`` entries is multiplied by
@@ -163,6 +232,11 @@ def clip_by_block_rms_fn(tree: PyTree, threshold: Scalar, *,
       over: each leaf's RMS is then that of the whole leaf (one all-reduce).
     specs: with ``axis_name``, the leaves' ``PartitionSpec`` (tree prefix):
       leaves replicated on an axis are counted once.
+    layer_axis: for scanned (stacked) layers, the axis that stacks them (an
+      int, or a tree prefix of the tree with int or None leaves): each
+      layer's slice is a block of its own, with the RMS of its ``n / L``
+      entries (optax's numbers for that layer alone). The layer axis may be
+      split over the mesh.
 
   Returns:
     The clipped tree, with each leaf's dtype.
@@ -176,17 +250,23 @@ def clip_by_block_rms_fn(tree: PyTree, threshold: Scalar, *,
     (Array([0.8485281, 1.1313708], dtype=float32), Array([ 0.5, -0.5], dtype=float32))
     >>> oc.functional.clip_by_block_rms([jnp.full(4, 1e20)], 1.0)  # no overflow
     [Array([1., 1., 1., 1.], dtype=float32)]
+    >>> stacked = jnp.array([[3.0, 4.0], [0.5, -0.5]])  # two layers
+    >>> oc.functional.clip_by_block_rms([stacked], 1.0, layer_axis=0)
+    [Array([[ 0.8485281,  1.1313708],
+           [ 0.5      , -0.5      ]], dtype=float32)]
   """
   fn = "clip_by_block_rms"
   threshold = _validation.check_nonnegative(fn, "threshold", threshold,
                                             allow_inf=True)
   _validation.check_specs(fn, specs, axis_name)
-  clipped, _, _ = _clip(fn, tree, threshold, axis_name, specs)
+  _validation.check_layer_axis(fn, layer_axis)
+  clipped, _, _ = _clip(fn, tree, threshold, axis_name, specs, layer_axis)
   return clipped
 
 
 def clip_by_block_rms(threshold: Scalar, *, axis_name: AxisName = None,
-                      specs: PyTree = None) -> optax.GradientTransformation:
+                      specs: PyTree = None, layer_axis: PyTree = None
+                      ) -> optax.GradientTransformation:
   """Clips every leaf of the updates to an RMS of at most ``threshold``.
 
   A drop-in for ``optax.clip_by_block_rms`` (the transform form of
@@ -206,6 +286,10 @@ def clip_by_block_rms(threshold: Scalar, *, axis_name: AxisName = None,
     axis_name: under ``shard_map``/``pmap``, the axis name(s) the updates are
       split over: each leaf's RMS is that of the whole leaf (one all-reduce).
     specs: with ``axis_name``, the updates' ``PartitionSpec`` (tree prefix).
+    layer_axis: for scanned (stacked) layers, the axis that stacks them (an
+      int, or a tree prefix of the updates with int or None leaves): each
+      layer's slice is clipped by its own RMS; the state logs the largest
+      and smallest over all slices.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a ``BlockRMSState``.
@@ -225,6 +309,7 @@ def clip_by_block_rms(threshold: Scalar, *, axis_name: AxisName = None,
   threshold = _validation.check_nonnegative(fn, "threshold", threshold,
                                             allow_inf=True)
   _validation.check_specs(fn, specs, axis_name)
+  _validation.check_layer_axis(fn, layer_axis)
 
   def init_fn(params):
     return BlockRMSState.fresh(_running_stats.statistics_dtype(params))
@@ -234,7 +319,8 @@ def clip_by_block_rms(threshold: Scalar, *, axis_name: AxisName = None,
     if state is None:  # stateless use, as optax's allows: a fresh state
       state = init_fn(None)
     _validation.check_state(fn, state, BlockRMSState)
-    clipped, rms, factors = _clip(fn, updates, threshold, axis_name, specs)
+    clipped, rms, factors = _clip(fn, updates, threshold, axis_name, specs,
+                                  layer_axis)
     largest = jnp.max(rms, initial=0)  # NaN if any leaf's is
     smallest = jnp.min(factors, initial=1)
     new_state = BlockRMSState(

@@ -16,41 +16,16 @@ dict keys, sequence indices and attribute names, in tree order, the
 ``.value`` of a flax.nnx Variable left out (docs/logging.md).
 """
 
-import numbers
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optaxclip import _norms, _tree
+from optaxclip import _norms, _tree, _validation
 
 PyTree = Any
 Keep = tuple[int, ...]
-
-
-def _is_axis(x: Any) -> bool:
-  return x is None or (isinstance(x, numbers.Integral)
-                       and not isinstance(x, (bool, np.bool_)))
-
-
-def _check_axis(fn: str, axis: Any) -> None:
-  if not _is_axis(axis):
-    # optax.inject_hyperparams turns an int argument into an array.
-    hint = (" (under optax.inject_hyperparams, pass "
-            "static_args=('layer_axis',))"
-            if isinstance(axis, (jax.Array, np.ndarray)) else "")
-    raise TypeError(
-        f"`{fn}(layer_axis=...)` must hold ints (the axis that stacks "
-        f"layers) or None, got {axis!r} of type {type(axis).__name__}{hint}")
-
-
-def check_layer_axis(fn: str, layer_axis: PyTree) -> PyTree:
-  """``layer_axis`` with int or None leaves, or a TypeError when the
-  transform is built (whether it fits the gradients is known at ``init``)."""
-  for axis in jax.tree.leaves(layer_axis, is_leaf=_is_axis):
-    _check_axis(fn, axis)
-  return layer_axis
 
 
 def layer_keep(fn: str, tree: PyTree, layer_axis: PyTree
@@ -61,7 +36,7 @@ def layer_keep(fn: str, tree: PyTree, layer_axis: PyTree
   if layer_axis is None:
     return None
   leaf_axes = _tree.broadcast_prefix(
-      fn, "layer_axis", layer_axis, tree, is_value=_is_axis,
+      fn, "layer_axis", layer_axis, tree, is_value=_validation.is_layer_axis,
       holds="ints (the axis that stacks layers) or None",
       like="an int or a tree prefix of the gradients with int or None "
            "leaves (as optax.partition's labels)")

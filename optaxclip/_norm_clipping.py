@@ -316,7 +316,7 @@ def _norm_clipper(fn: str, max_norm, p, eps, axis_name, specs, nonfinite, *,
   _validation.check_choice(fn, "nonfinite", nonfinite, _nonfinite.MODES)
   _validation.check_specs(fn, specs, axis_name)
   _validation.check_bool(fn, "leaf_norms", leaf_norms)
-  layer_axis = _leaf_norms.check_layer_axis(fn, layer_axis)
+  layer_axis = _validation.check_layer_axis(fn, layer_axis)
   clip = _clip_each if per_leaf else _clip_global
 
   def init_fn(params):
@@ -357,7 +357,7 @@ def _group_clipper(fn: str, max_norm, p, eps, axis_name, specs, nonfinite,
   _validation.check_choice(fn, "nonfinite", nonfinite, _nonfinite.MODES)
   _validation.check_specs(fn, specs, axis_name)
   _validation.check_bool(fn, "leaf_norms", leaf_norms)
-  layer_axis = _leaf_norms.check_layer_axis(fn, layer_axis)
+  layer_axis = _validation.check_layer_axis(fn, layer_axis)
   groups = _groups.check_labels(fn, groups)
 
   def init_fn(params):

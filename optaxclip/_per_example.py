@@ -15,12 +15,15 @@ norms)``: code written for optax's pair swaps with one more name,
 ``summed, num_clipped, norms = ...`` (or ``...[:2]``).
 """
 
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
-from optaxclip import _norms, _scaling, _tree, _validation
+from optaxclip import _leaf_norms, _norms, _scaling, _tree, _validation
 
 PyTree = Any
 
@@ -166,9 +169,84 @@ def per_example_clip_by_global_norm(grads: PyTree, max_norm: Any, *,
   return PerExampleClip(summed, num_clipped, norms)
 
 
+def _example_keep(fn: str, grads: PyTree, layer_axis: PyTree
+                  ) -> tuple[tuple[int, ...], ...] | None:
+  """Per clippable leaf, the layer axis of one example's gradient (the
+  parameter's axes: the batch axis left out), or None."""
+  one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype)
+                     if _tree.is_clippable(x) else x, grads)
+  return _leaf_norms.layer_keep(fn, one, layer_axis)
+
+
+def _weighted_layer_sum(factors: jax.Array, x: jax.Array, axis: int
+                        ) -> jax.Array:
+  """``sum_i factors[i, l] * x[i, ..., l, ...]`` (``l`` on one example's
+  ``axis``), accumulated in float32 at least."""
+  acc = jnp.promote_types(x.dtype, factors.dtype)
+  layers_first = jnp.moveaxis(x, 1 + axis, 1)
+  total = jnp.einsum("bl,bl...->l...", factors.astype(acc), layers_first,
+                     precision=jax.lax.Precision.HIGHEST,
+                     preferred_element_type=acc)
+  return jnp.moveaxis(total, 0, axis).astype(x.dtype)
+
+
+def _whole_counts(leaves: list[jax.Array], keep: tuple[tuple[int, ...], ...],
+                  reduction: _norms.Reduction) -> tuple[list[int], list[int]]:
+  """Per leaf, its layers and one example's entries, whole: under
+  ``shard_map`` a device holds a shard (of the layers, or of each)."""
+  layers, sizes = [], []
+  for i, (x, kept) in enumerate(zip(leaves, keep)):
+    count, size = math.prod(x.shape[1 + a] for a in kept), x[0].size
+    replicated = (() if reduction.replicated_axes is None
+                  else reduction.replicated_axes[i])
+    split = (() if reduction.split_kept_axes is None
+             else reduction.split_kept_axes[i])
+    for axis in reduction.axis_names:
+      if axis not in replicated:
+        size *= lax.axis_size(axis)
+      if axis in split:
+        count *= lax.axis_size(axis)
+    layers.append(count)
+    sizes.append(size)
+  return layers, sizes
+
+
+def _clip_layers(fn: str, grads: PyTree, leaves: list[jax.Array], max_norm,
+                 uniform: bool, axis_name, specs, keep) -> PerExampleClip:
+  """``per_example_clip_by_layer_norm`` with stacked layers: every layer
+  slice of every leaf is a layer of its own."""
+  reduction = _norms.make_reduction(
+      fn, grads, axis_name, specs, [tuple(a + 1 for a in k) for k in keep])
+  layers, sizes = _whole_counts(leaves, keep, reduction)
+  # The thresholds as optax writes them for the unstacked layers.
+  if uniform:
+    thresholds = [max_norm * (1.0 / sum(layers)) ** 0.5] * len(leaves)
+  else:
+    total = sum(sizes)
+    thresholds = [max_norm * (size // n / total) ** 0.5
+                  for size, n in zip(sizes, layers)]
+  if not reduction.axis_names:
+    reduction = reduction._replace(batch_axis=_norms.EXAMPLES)
+  norms = jax.vmap(lambda rows: _norms.unit_norms(rows, 2.0, reduction, keep),
+                   axis_name=_norms.EXAMPLES)(leaves)
+  factors = [_factors(n, c) for n, c in zip(norms, thresholds)]
+
+  def summed(x, i):
+    if not keep[i]:
+      return _weighted_sum(factors[i], x)
+    return _weighted_layer_sum(factors[i], x, keep[i][0])
+
+  return PerExampleClip(
+      _tree.map_clippable_indexed(summed, grads),
+      _per_leaf_tree(grads, [jnp.sum(f < 1, axis=0, dtype=jnp.int32)
+                             for f in factors], jnp.zeros([], jnp.int32)),
+      _per_leaf_tree(grads, norms, jnp.zeros([leaves[0].shape[0]], norms[0].dtype)))
+
+
 def per_example_clip_by_layer_norm(grads: PyTree, max_norm: Any, *,
                                    uniform: bool = True, axis_name: Any = None,
-                                   specs: PyTree = None) -> PerExampleClip:
+                                   specs: PyTree = None,
+                                   layer_axis: PyTree = None) -> PerExampleClip:
   """Clips each example's gradient leaf by leaf and sums them.
 
   The numbers of ``optax.per_example_layer_norm_clip(grads, max_norm,
@@ -187,11 +265,18 @@ def per_example_clip_by_layer_norm(grads: PyTree, max_norm: Any, *,
     axis_name: under ``shard_map``/``pmap``, the axis name(s) the leaves'
       non-batch axes are split over.
     specs: with ``axis_name``, the leaves' ``PartitionSpec`` (tree prefix).
+    layer_axis: for scanned (stacked) layers, the axis that stacks them in
+      one example's gradient (the parameter's axis, the batch axis left
+      out): an int, or a tree prefix of ``grads`` with int or None leaves.
+      Each layer slice is then a layer of its own (``K`` counts slices,
+      ``D_k`` is a slice's size): the numbers optax gives for the unstacked
+      layers. The layer axis may be split over the mesh.
 
   Returns:
     ``PerExampleClip(summed, num_clipped, norms)``: the summed clipped tree,
     and trees like ``grads`` holding, per leaf, the number of examples
-    clipped (int32) and each example's pre-clip norm (float32 ``[batch]``).
+    clipped (int32; ``[layers]`` for a leaf with a layer axis) and each
+    example's pre-clip norm (float32 ``[batch]``, or ``[batch, layers]``).
     Non-floating leaves pass through ``summed`` untouched, with 0 clipped
     and zero norms.
 
@@ -205,6 +290,15 @@ def per_example_clip_by_layer_norm(grads: PyTree, max_norm: Any, *,
     >>> num_clipped
     {'a': Array(1, dtype=int32), 'b': Array(0, dtype=int32)}
 
+    A leaf stacking two layers (one example's gradient is ``[2, 2]``):
+
+    >>> stacked = jnp.array([[[3.0, 4.0], [0.3, 0.4]], [[0.3, 0.4], [0.3, 0.4]]])
+    >>> summed, num_clipped, norms = per_example_clip_by_layer_norm(
+    ...     [stacked], 2.0**0.5, layer_axis=0)
+    >>> summed[0], num_clipped[0]  # example 0's layer 0 cut to norm 1
+    (Array([[0.90000004, 1.2       ],
+           [0.6       , 0.8       ]], dtype=float32), Array([1, 0], dtype=int32))
+
   References:
     McMahan et al., [Learning Differentially Private Recurrent Language
     Models](https://arxiv.org/abs/1710.06963), 2018.
@@ -212,6 +306,7 @@ def per_example_clip_by_layer_norm(grads: PyTree, max_norm: Any, *,
   fn = "per_example_clip_by_layer_norm"
   max_norm = _check(fn, grads, max_norm)
   _validation.check_bool(fn, "uniform", uniform)
+  _validation.check_layer_axis(fn, layer_axis)
   reduction = _norms.make_reduction(fn, grads, axis_name, specs)
   leaves = _tree.clippable_leaves(grads)
   batch = _batch_size(fn, leaves)
@@ -219,12 +314,18 @@ def per_example_clip_by_layer_norm(grads: PyTree, max_norm: Any, *,
     return PerExampleClip(grads,
                           _per_leaf_tree(grads, [], jnp.zeros([], jnp.int32)),
                           _per_leaf_tree(grads, [], jnp.zeros([0], jnp.float32)))
+  keep = _example_keep(fn, grads, layer_axis)
+  if keep is not None:
+    return _clip_layers(fn, grads, leaves, max_norm, uniform, axis_name, specs,
+                        keep)
   # The thresholds as optax writes them, for the same rounding.
   if uniform:
     thresholds = [max_norm * (1.0 / len(leaves)) ** 0.5] * len(leaves)
   else:
-    total = sum(x[0].size for x in leaves)
-    thresholds = [max_norm * (x[0].size / total) ** 0.5 for x in leaves]
+    # Whole leaves' sizes: under shard_map a device holds shards.
+    _, sizes = _whole_counts(leaves, ((),) * len(leaves), reduction)
+    total = sum(sizes)
+    thresholds = [max_norm * (size / total) ** 0.5 for size in sizes]
   norms = _per_example_norms(_norms.leaf_norms, leaves, 2.0, reduction)
   factors = [_factors(norms[:, k], c) for k, c in enumerate(thresholds)]
   summed = _sum_clipped(grads, lambda index: factors[index])

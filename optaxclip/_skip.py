@@ -510,6 +510,7 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
   p = _validation.check_ord(fn, ord)
   _validation.check_specs(fn, specs, axis_name)
   _validation.check_bool(fn, "leaf_norms", leaf_norms)
+  _validation.check_layer_axis(fn, layer_axis)
   if loss_zscore is not None:
     loss_zscore = _check_loss_zscore(fn, loss_zscore)
   inner = optax.with_extra_args_support(inner)

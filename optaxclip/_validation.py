@@ -299,3 +299,25 @@ def check_update(fn: str, updates: Any, state: Any, state_type: type) -> None:
   and ``check_tree``."""
   check_state(fn, state, state_type)
   check_tree(fn, "updates", updates)
+
+
+def is_layer_axis(x: Any) -> bool:
+  """Whether ``x`` may be a leaf of ``layer_axis``: an int or None."""
+  return x is None or (isinstance(x, numbers.Integral)
+                       and not isinstance(x, (bool, np.bool_)))
+
+
+def check_layer_axis(fn: str, layer_axis: Any) -> Any:
+  """``layer_axis``: None, an int, or a tree prefix with int or None
+  leaves; whether it fits the gradients is only known at ``update``."""
+  for axis in jax.tree.leaves(layer_axis, is_leaf=is_layer_axis):
+    if isinstance(axis, (np.ndarray, jax.Array)):
+      raise TypeError(
+          f"{_where(fn, 'layer_axis')} chooses the axes the norms keep and "
+          f"must be static: ints or None; with optax.inject_hyperparams list "
+          f"it in static_args (static_args=('layer_axis',)), got {axis!r:.80}")
+    if not is_layer_axis(axis):
+      raise TypeError(
+          f"{_where(fn, 'layer_axis')} must hold ints (the axis that stacks "
+          f"layers) or None, got {axis!r:.80} of type {type(axis).__name__}")
+  return layer_axis

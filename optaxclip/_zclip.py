@@ -333,6 +333,7 @@ def zclip(*, alpha: Scalar = 0.97, z_thresh: Scalar = 2.5,
   _validation.check_bool(fn, "skip_update_on_spike", skip_update_on_spike)
   _validation.check_specs(fn, specs, axis_name)
   _validation.check_bool(fn, "leaf_norms", leaf_norms)
+  _validation.check_layer_axis(fn, layer_axis)
 
   def init_fn(params):
     length = _validation.require_buffer_size(fn, "warmup_steps", size)

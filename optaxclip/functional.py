@@ -5,6 +5,8 @@ No state, no optax: usable under ``jit``, ``vmap`` (per-example clipping),
 """
 
 from optaxclip._agc import adaptive_grad_clip_fn as adaptive_grad_clip
+from optaxclip._agc import unitwise_clip as unitwise_clip
+from optaxclip._agc import unitwise_norm as unitwise_norm
 from optaxclip._block_rms import clip_by_block_rms_fn as clip_by_block_rms
 from optaxclip._norm_clipping import clip_by_global_norm_fn as clip_by_global_norm
 from optaxclip._norm_clipping import clip_by_norm_fn as clip_by_norm
@@ -28,4 +30,6 @@ __all__ = [
     "global_norm",
     "per_example_clip_by_global_norm",
     "per_example_clip_by_layer_norm",
+    "unitwise_clip",
+    "unitwise_norm",
 ]

@@ -235,3 +235,99 @@ def test_nonfinite_warm_up_steps_do_not_count(kwargs):
   updates, state = update(big, state)
   assert all(np.all(np.isfinite(u)) for u in jax.tree.leaves(updates))
   assert float(jnp.linalg.norm(updates["w"])) < 1.0  # the spiking tensor is cut
+
+
+# --------------------------------------------------------------------------
+# layer_axis (issue 13 section 2): a threshold and history per layer slice,
+# as if each slice were a tensor of its own.
+
+def stacked_steps(seed=9, steps=60, spikes=True):
+  """Trees {"b": [4], "w": [3 layers, 8, 4]}; layer 1 of "w" spikes."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for t in range(steps):
+    w = rng.normal(size=(3, 8, 4)) * np.array([1.0, 0.3, 3.0])[:, None, None]
+    if spikes and t in (25, 40):
+      w[1] *= 50.0
+    out.append({"b": np.float32(rng.normal(size=4) * 0.1), "w": np.float32(w)})
+  return out
+
+
+def unstacked(tree):
+  return [tree["b"], *tree["w"]]  # gamma's order: leaf by leaf, layers in order
+
+
+@pytest.mark.parametrize("kwargs", [{"warmup_steps": 10}, {"warmup_steps": 5, "beta": 0.9}])
+def test_layer_axis_is_the_reference_on_unstacked_layers(kwargs):
+  steps = stacked_steps()
+  tx = adagc(layer_axis={"b": None, "w": 0}, **kwargs)
+  update = jax.jit(tx.update)
+  state = tx.init(steps[0])
+  assert state.gamma.shape == (4,)
+  largest = Largest()
+  for t, (tree, want) in enumerate(zip(steps, reference(map(unstacked, steps), **kwargs))):
+    out, state = update(tree, state)
+    largest.check("gamma", state.gamma, want["gamma"])
+    largest.check("norm", state.norm, want["norm"])
+    for got, expected in zip(unstacked(out), want["clipped"]):
+      largest.check("clipped gradient", got, expected)
+    assert int(state.clipped_tensors) == int(np.sum(want["factors"] < 1)), t
+  largest.report(f"adagc(layer_axis)[{kwargs}]")
+
+
+def test_layer_axis_spike_in_one_layer_leaves_the_others_alone():
+  stack = lambda steps: jax.tree.map(lambda *xs: jnp.stack(xs), *steps)
+  spiky, calm = stack(stacked_steps()), stack(stacked_steps(spikes=False))
+  per_layer = scan_of(adagc(warmup_steps=10, layer_axis={"b": None, "w": 0}))
+  per_leaf = scan_of(adagc(warmup_steps=10))
+  # Layers 0 and 2 get the updates they get without layer 1's spikes (steps
+  # 25 and 40); with one threshold for the leaf they are cut with layer 1.
+  layered, calm_layered = per_layer(spiky)[0]["w"], per_layer(calm)[0]["w"]
+  whole = per_leaf(spiky)[0]["w"]
+  for layer in (0, 2):
+    np.testing.assert_array_equal(layered[:, layer], calm_layered[:, layer])
+    assert np.linalg.norm(whole[25, layer]) < 0.5 * np.linalg.norm(layered[25, layer])
+
+
+def test_layer_axis_under_shard_map_equals_unsharded():
+  from jax import shard_map
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  specs = {"b": P(), "w": P(None, "data", "model")}  # layers on every device
+  tx = adagc(warmup_steps=3, layer_axis=0, axis_name=("data", "model"), specs=specs)
+  step = jax.jit(shard_map(tx.update, mesh=mesh, in_specs=(specs, P()),
+                           out_specs=(specs, P())))
+  local = adagc(warmup_steps=3, layer_axis=0)
+  steps = stacked_steps(steps=6)
+  state, local_state = tx.init(steps[0]), local.init(steps[0])
+  for tree in steps:
+    sharded = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
+                           tree, specs)
+    out, state = step(sharded, state)
+    expected, local_state = jax.jit(local.update)(tree, local_state)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5),
+                 (out, state), (expected, local_state))
+  split_specs = {"b": P(), "w": P("data")}
+  split = adagc(layer_axis=0, axis_name="data", specs=split_specs)
+  mesh = jax.make_mesh((2,), ("data",))
+  tree = {"b": steps[0]["b"], "w": np.ones((4, 8, 4), np.float32)}
+  sharded = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
+                         tree, split_specs)
+  with pytest.raises(ValueError, match=r"`adagc\(layer_axis=\.\.\.\)` keeps one "
+                     r"threshold per layer on every device"):
+    jax.jit(shard_map(split.update, mesh=mesh, in_specs=(split_specs, P()),
+                      out_specs=(split_specs, P())))(sharded, split.init(tree))
+
+
+def test_layer_axis_with_inject_hyperparams_as_a_static_arg():
+  steps = stacked_steps(steps=4)
+  plain = adagc(warmup_steps=2, layer_axis=0)
+  injected = optax.inject_hyperparams(adagc, static_args=("layer_axis",))(
+      warmup_steps=2, layer_axis=0)
+  state, injected_state = plain.init(steps[0]), injected.init(steps[0])
+  for tree in steps:
+    out, state = jax.jit(plain.update)(tree, state)
+    injected_out, injected_state = jax.jit(injected.update)(tree, injected_state)
+    jax.tree.map(np.testing.assert_array_equal, out, injected_out)
+  np.testing.assert_array_equal(injected_state.inner_state.gamma, state.gamma)

@@ -267,3 +267,232 @@ def test_gradients_through_the_unit_norms_are_finite(scale):
   loss = lambda g, p: jnp.sum(adaptive_grad_clip_fn(g, p, CLIPPING)["linear"])
   for gradient in jax.jit(jax.grad(loss, argnums=(0, 1)))(grads, params):
     assert np.all(np.isfinite(gradient["linear"])), gradient
+
+
+# --------------------------------------------------------------------------
+# layer_axis (issue 13 section 2): scanned layers, each slice clipped as
+# optax clips that layer alone.
+
+# name: (shape, layer axis); the slices are linear, bias, conv, scalar, heads.
+STACKED = {"kernel": ((4, 8, 16), 0), "bias": ((4, 16), 0),
+           "conv": ((3, 3, 2, 4, 3), -1), "gain": ((4,), 0),
+           "heads": ((2, 3, 5, 4), 1), "plain": ((8, 4), None)}
+STACKED_SHAPES = {k: s for k, (s, _) in STACKED.items()}
+LAYER_AXES = {k: a for k, (_, a) in STACKED.items()}
+
+
+def optax_per_layer(grads, params, layer_axes, clipping, eps=1e-3, axis=None):
+  """optax.adaptive_grad_clip on every layer's slice alone, restacked."""
+  tx = optax.adaptive_grad_clip(clipping, eps, axis)
+  out = {}
+  for k, g in grads.items():
+    stacked = layer_axes[k]
+    if stacked is None:
+      out[k] = tx.update({k: g}, None, {k: params[k]})[0][k]
+      continue
+    slices = [tx.update({k: jnp.take(g, i, axis=stacked)}, None,
+                        {k: jnp.take(params[k], i, axis=stacked)})[0][k]
+              for i in range(g.shape[stacked])]
+    out[k] = jnp.stack(slices, axis=stacked % g.ndim)
+  return out
+
+
+@pytest.mark.parametrize("clipping", [0.01, 0.1])
+def test_layer_axis_equals_optax_on_each_layer(clipping):
+  params = tree_of(STACKED_SHAPES, seed=30)
+  grads = tree_of(STACKED_SHAPES, seed=31, scale=0.3)
+  grads["kernel"] = grads["kernel"].at[2].multiply(100.0)
+  grads["conv"] = grads["conv"].at[..., 0].multiply(30.0)
+  want = optax_per_layer(grads, params, LAYER_AXES, clipping)
+  fn = jax.jit(lambda g, p: adaptive_grad_clip_fn(g, p, clipping, layer_axis=LAYER_AXES))
+  assert_tree_close(fn(grads, params), want, rtol=1e-6)
+  tx = adaptive_grad_clip(clipping, layer_axis=LAYER_AXES)
+  updates, state = tx.update(grads, tx.init(params), params)
+  assert_tree_close(updates, want, rtol=1e-6)
+  # Units counted per layer: a [4, 8, 16] kernel has 4 x 16, a [4, 16] bias 4.
+  units = 4 * 16 + 4 + 3 * 4 + 4 + 3 * 5 * 4 + 4
+  assert float(state.clipped_fraction) == pytest.approx(int(state.clipped_units) / units)
+
+
+def test_layer_axis_with_axis_reads_the_slice_axes():
+  params = tree_of({"w": (3, 6, 4, 5)}, seed=32)
+  grads = tree_of({"w": (3, 6, 4, 5)}, seed=33, scale=0.3)
+  for layer, axis in ((0, 1), (2, (0, 2)), (-1, -1)):
+    got = adaptive_grad_clip_fn(grads, params, 0.1, axis=axis, layer_axis=layer)
+    want = optax_per_layer(grads, params, {"w": layer}, 0.1, axis=axis)
+    assert_tree_close(got, want, rtol=1e-6)
+
+
+def test_one_layer_with_large_gradients_leaves_the_others_alone():
+  # The issue's measurement: a [4, 8, 16] kernel (4 scanned layers), layer 2
+  # with 100x gradients. Without layer_axis optax's units span the 4 layers
+  # and every other layer is clipped ~5x more than on its own.
+  rng = np.random.default_rng(34)
+  params = {"k": jnp.asarray(rng.normal(size=(4, 8, 16)), jnp.float32)}
+  grads = {"k": jnp.asarray(rng.normal(size=(4, 8, 16)) * 0.1, jnp.float32)}
+  grads["k"] = grads["k"].at[2].multiply(100.0)
+  got = adaptive_grad_clip_fn(grads, params, 0.1, layer_axis=0)["k"]
+  want = optax_per_layer(grads, params, {"k": 0}, 0.1)["k"]
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  mixed = _optax_fn(grads, params, 0.1)["k"]  # units across layers
+  for layer in (0, 1, 3):
+    assert np.linalg.norm(want[layer]) > 3 * np.linalg.norm(mixed[layer])
+
+
+def test_layer_axis_under_jit_and_vmap():
+  params = tree_of({"k": (4, 8, 6)}, seed=35)
+  grads = tree_of({"k": (3, 4, 8, 6)}, seed=36, scale=0.3)  # 3 examples
+  clip = lambda g: adaptive_grad_clip_fn(g, params, 0.1, layer_axis=0)
+  batched = jax.jit(jax.vmap(clip))(grads)
+  for i in range(3):
+    one = clip({"k": grads["k"][i]})
+    np.testing.assert_allclose(batched["k"][i], one["k"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("spec", ["layers", "layers_and_units", "inputs"])
+def test_layer_axis_split_over_the_mesh_equals_unsharded(spec):
+  from jax import shard_map
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+  mesh = jax.make_mesh((2, 4), ("x", "y"))
+  specs = {"layers": {"k": P("x", None, None), "b": P("x")},
+           "layers_and_units": {"k": P("x", None, "y"), "b": P("x", "y")},
+           "inputs": {"k": P(None, ("x", "y")), "b": P(None, "y")}}[spec]
+  shapes = {"k": (4, 8, 16), "b": (4, 16)}
+  params = tree_of(shapes, seed=37)
+  grads = tree_of(shapes, seed=38, scale=0.03)
+  grads["k"] = grads["k"].at[1].multiply(100.0)
+  tx = adaptive_grad_clip(0.1, axis_name=("x", "y"), specs=specs, layer_axis=0)
+  put = lambda tree: jax.tree.map(
+      lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
+  step = jax.jit(shard_map(tx.update, mesh=mesh, in_specs=(specs, P(), specs),
+                           out_specs=(specs, P())))
+  out, state = step(put(grads), tx.init(params), put(params))
+  local = adaptive_grad_clip(0.1, layer_axis=0)
+  expected, expected_state = jax.jit(local.update)(grads, local.init(params), params)
+  assert_tree_close(out, expected, rtol=1e-6)
+  assert_tree_close(out, optax_per_layer(grads, params, {"k": 0, "b": 0}, 0.1), rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+               state, expected_state)
+  assert 0 < float(state.clipped_fraction) < 1
+
+
+# --------------------------------------------------------------------------
+# functional.unitwise_norm / unitwise_clip: optax's numbers, overflow-safe
+
+_unitwise_norm = jax.jit(oc.functional.unitwise_norm,
+                         static_argnames=("axis", "layer_axis"))
+
+
+@pytest.mark.parametrize("kind", list(LEAF_SHAPES))
+def test_unitwise_norm_matches_optax(kind):
+  x = tree_of({kind: LEAF_SHAPES[kind]}, seed=40)[kind]
+  want = optax.transforms.unitwise_norm(x)
+  for got in (oc.functional.unitwise_norm(x), _unitwise_norm(x)):
+    assert got.shape == want.shape == x.shape and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    exact = np.sqrt(np.sum(np.asarray(x, np.float64) ** 2,
+                           axis=np_unit_axes(x.shape), keepdims=True))
+    np.testing.assert_allclose(got, np.broadcast_to(exact, x.shape), rtol=1e-6)
+
+
+@pytest.mark.parametrize("axis", [0, 1, (0, 2)])
+def test_unitwise_norm_with_axis_matches_optax(axis):
+  x = tree_of({"x": (3, 4, 5)}, seed=41)["x"]
+  np.testing.assert_allclose(_unitwise_norm(x, axis=axis),
+                             optax.transforms.unitwise_norm(x, axis=axis), rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,scale", [(jnp.float32, 1e30), (jnp.float32, 1e-30),
+                                         (jnp.bfloat16, 1e30), (jnp.float16, 1e3)])
+def test_unitwise_norm_is_finite_where_optax_overflows(dtype, scale):
+  x = tree_of({"x": (6, 3)}, seed=42, scale=scale, dtype=dtype)["x"]
+  want = np.sqrt(np.sum(np.asarray(x, np.float64) ** 2, axis=0, keepdims=True))
+  got = _unitwise_norm(x)
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(got, np.broadcast_to(want, x.shape), rtol=1e-6)
+  if scale > 1:  # optax squares in the leaf's dtype: inf
+    assert np.all(np.isinf(np.asarray(optax.transforms.unitwise_norm(x), np.float64)))
+
+
+def test_unitwise_norm_layer_axis_is_optax_per_slice():
+  x = tree_of({"x": (4, 8, 6)}, seed=43)["x"]
+  for layer in (0, 1, 2):
+    want = jnp.stack([optax.transforms.unitwise_norm(jnp.take(x, i, axis=layer))
+                      for i in range(x.shape[layer])], axis=layer)
+    np.testing.assert_allclose(_unitwise_norm(x, layer_axis=layer), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", list(AT_LEAST_2D))
+def test_unitwise_clip_equals_optax_bit_for_bit(kind):
+  grad = tree_of({kind: LEAF_SHAPES[kind]}, seed=44)[kind]
+  g_norm = optax.transforms.unitwise_norm(grad)
+  max_norm = jnp.asarray(np.random.default_rng(45).uniform(0.5, 3, grad.shape),
+                         jnp.float32)
+  max_norm = max_norm.at[(0,) * grad.ndim].set(0.0)  # a unit cut to zero
+  want = optax.transforms.unitwise_clip(g_norm, max_norm, grad)
+  got = oc.functional.unitwise_clip(g_norm, max_norm, grad)
+  np.testing.assert_array_equal(got, want)
+  zero = jnp.zeros_like(grad)
+  np.testing.assert_array_equal(oc.functional.unitwise_clip(zero, zero, zero), zero)
+  np.testing.assert_array_equal(
+      jax.jit(oc.functional.unitwise_clip)(g_norm, max_norm, grad), want)
+
+
+def test_unitwise_pieces_make_optax_agc():
+  # optax's AGC from the two functions, leaf by leaf.
+  params = tree_of(SOME, seed=46)
+  grads = tree_of(SOME, seed=47, scale=0.3)
+  F = oc.functional
+  ours = {k: F.unitwise_clip(F.unitwise_norm(grads[k]),
+                             0.1 * jnp.maximum(F.unitwise_norm(params[k]), 1e-3), grads[k])
+          for k in grads}
+  assert_tree_close(ours, _optax_fn(grads, params, 0.1), rtol=1e-6)
+
+
+def test_units_come_from_the_whole_leaf_under_shard_map():
+  # Kernels split down to [1, 6] and [8, 1] per device: their units were
+  # chosen from the shards (optax's squeeze rule: a "vector", one unit per
+  # device) instead of the whole leaves' columns.
+  from jax import shard_map
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+  mesh = jax.make_mesh((4,), ("model",))
+  shapes = {"rows": (4, 6), "cols": (8, 4)}
+  specs = {"rows": P("model"), "cols": P(None, "model")}  # [1, 6] and [8, 1] shards
+  params = tree_of(shapes, seed=50)
+  grads = tree_of(shapes, seed=51, scale=0.3)
+  put = lambda tree: jax.tree.map(
+      lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
+  clip = jax.jit(shard_map(
+      lambda g, p: adaptive_grad_clip_fn(g, p, 0.1, axis_name="model", specs=specs),
+      mesh=mesh, in_specs=(specs, specs), out_specs=specs))
+  assert_tree_close(clip(put(grads), put(params)), _optax_fn(grads, params, 0.1),
+                    rtol=1e-6)
+
+
+def test_layer_axis_on_gspmd_sharded_layers():
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+  # An Auto mesh: on an Explicit one the core's per-unit reduction cannot
+  # yet reshape units sharded over mesh axes (reported).
+  mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  params = tree_of({"k": (4, 8, 16)}, seed=52)
+  grads = tree_of({"k": (4, 8, 16)}, seed=53, scale=0.03)
+  grads["k"] = grads["k"].at[3].multiply(100.0)
+  put = lambda tree: {"k": jax.device_put(tree["k"], NamedSharding(mesh, P("x", None, "y")))}
+  got = jax.jit(lambda g, p: adaptive_grad_clip_fn(g, p, 0.1, layer_axis=0))(
+      put(grads), put(params))
+  assert_tree_close(got, optax_per_layer(grads, params, {"k": 0}, 0.1), rtol=1e-6)
+
+
+def test_layer_axis_nan_stays_in_its_layer_and_zero_is_finite():
+  params = tree_of({"k": (3, 4, 5)}, seed=54)
+  grads = tree_of({"k": (3, 4, 5)}, seed=55, scale=0.3)
+  bad = {"k": grads["k"].at[1, 0, 0].set(jnp.nan)}
+  got = adaptive_grad_clip_fn(bad, params, 0.1, layer_axis=0)["k"]
+  assert np.isnan(got[1, :, 0]).all() and np.isfinite(np.delete(np.asarray(got), 1, 0)).all()
+  zeros = {"k": jnp.zeros((3, 4, 5))}
+  loss = lambda g, p: jnp.sum(adaptive_grad_clip_fn(g, p, CLIPPING, layer_axis=0)["k"])
+  for gradient in jax.jit(jax.grad(loss, argnums=(0, 1)))(zeros, zeros):
+    assert np.all(np.isfinite(gradient["k"]))

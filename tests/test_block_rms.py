@@ -304,3 +304,140 @@ def test_shard_map_one_all_reduce_per_step():
           for k, (shape, spec) in LEAVES.items()}
   hlo = step.lower(tree).compile().as_text()
   assert hlo_ops(hlo, "all-reduce")[0] == 1
+
+
+# --------------------------------------------------------------------------
+# layer_axis (issue 13 sections 2 and 4): each layer slice is a block
+
+STACKED = {"kernel": ((4, 8, 16), 0), "bias": ((4, 16), 0), "mid": ((5, 3, 6), 1),
+           "last": ((6, 4), -1), "plain": ((8, 4), None)}
+
+
+def stacked_tree(seed, dtype=jnp.float32):
+  rng = np.random.default_rng(seed)
+  tree = {}
+  for k, (shape, axis) in STACKED.items():
+    x = rng.standard_normal(shape)
+    if axis is not None:  # a different scale per layer
+      scales = 10.0 ** rng.uniform(-2, 1.5, shape[axis])
+      x = x * np.expand_dims(scales, [a for a in range(len(shape)) if a != axis % len(shape)])
+    tree[k] = jnp.asarray(x, dtype)
+  return tree
+
+
+LAYER_AXES = {k: a for k, (_, a) in STACKED.items()}
+
+
+def optax_per_layer(tree, threshold):
+  """optax.clip_by_block_rms on every layer's slice alone, restacked."""
+  ref = optax.clip_by_block_rms(threshold)
+  out = {}
+  for k, x in tree.items():
+    axis = LAYER_AXES[k]
+    if axis is None:
+      out[k] = ref.update([x], None)[0][0]
+    else:
+      out[k] = jnp.stack([ref.update([jnp.take(x, i, axis=axis)], None)[0][0]
+                          for i in range(x.shape[axis])], axis=axis % x.ndim)
+  return out
+
+
+@pytest.mark.parametrize("threshold", [0.1, 1.0])
+def test_layer_axis_equals_optax_on_each_layer(threshold):
+  tree = stacked_tree(20)
+  want = optax_per_layer(tree, threshold)
+  tx = oc.clip_by_block_rms(threshold, layer_axis=LAYER_AXES)
+  updates, state = jax.jit(tx.update)(tree, tx.init(tree))
+  functional = F.clip_by_block_rms(tree, threshold, layer_axis=LAYER_AXES)
+  for k in tree:
+    np.testing.assert_array_equal(updates[k], functional[k])
+    assert ulps(updates[k], want[k], jnp.float32).max() <= F32_APART, k
+  rms = []
+  for k, x in tree.items():
+    axis, u = LAYER_AXES[k], np.asarray(x, np.float64)
+    if axis is None:
+      rms.append(np.sqrt(np.mean(u ** 2)))
+    else:
+      rms.extend(np.sqrt(np.mean(np.moveaxis(u, axis, 0).reshape(u.shape[axis], -1) ** 2,
+                                 axis=1)))
+  np.testing.assert_allclose(state.rms, max(rms), rtol=1e-6)
+  np.testing.assert_allclose(state.scale, min(1, threshold / max(rms)), rtol=1e-6)
+
+
+def test_layer_axis_one_large_layer_leaves_the_others_alone():
+  tree = {"k": jnp.ones((4, 8, 16)).at[2].multiply(100.0)}
+  got = F.clip_by_block_rms(tree, 1.0, layer_axis=0)["k"]
+  np.testing.assert_array_equal(got, jnp.ones((4, 8, 16)))  # layer 2 cut to rms 1
+  whole = F.clip_by_block_rms(tree, 1.0)["k"]
+  assert float(whole[0, 0, 0]) < 0.05  # one block: every layer cut
+
+
+def test_layer_axis_overflowing_layer_norm_is_rescued():
+  top = float(jnp.finfo(jnp.float32).max)
+  x = jnp.stack([jnp.full(4, 0.9 * top), jnp.full(4, 2.0)])  # norm 1.8 * top
+  got = jax.jit(lambda t: F.clip_by_block_rms(t, 1e38, layer_axis=0))([x])[0]
+  np.testing.assert_allclose(got, [[1e38] * 4, [2.0] * 4], rtol=1e-6)
+
+
+def test_layer_axis_under_vmap():
+  batch = stacked_tree(21)["kernel"][None] * jnp.array([0.1, 1.0, 10.0])[:, None, None, None]
+  got = jax.jit(jax.vmap(lambda g: F.clip_by_block_rms([g], 1.0, layer_axis=0)[0]))(batch)
+  for example, clipped in zip(batch, got):
+    np.testing.assert_array_equal(clipped, F.clip_by_block_rms([example], 1.0, layer_axis=0)[0])
+
+
+@pytest.mark.parametrize("which", ["layers", "layers_and_more", "inside"])
+def test_layer_axis_shard_map_equals_unsharded(which):
+  mesh = jax.make_mesh((2, 4), AXES)
+  specs = {"layers": {"k": P("data"), "b": P("data")},
+           "layers_and_more": {"k": P("data", None, "model"), "b": P(None, "model")},
+           "inside": {"k": P(None, AXES), "b": P()}}[which]
+  host = {"k": stacked_tree(22)["kernel"], "b": stacked_tree(23)["bias"]}
+  tree = {k: jax.device_put(x, NamedSharding(mesh, specs[k])) for k, x in host.items()}
+  tx = oc.clip_by_block_rms(0.5, axis_name=AXES, specs=specs, layer_axis=0)
+  step = jax.jit(shard_map(lambda t: tx.update(t, tx.init(t)), mesh=mesh,
+                           in_specs=(specs,), out_specs=(specs, P())))
+  updates, state = step(tree)
+  local = oc.clip_by_block_rms(0.5, layer_axis=0)
+  want, want_state = local.update(host, local.init(host))
+  for k in host:
+    np.testing.assert_allclose(updates[k], want[k], rtol=2e-6, err_msg=k)
+  np.testing.assert_allclose(state.rms, want_state.rms, rtol=2e-6)
+  np.testing.assert_allclose(state.scale, want_state.scale, rtol=2e-6)
+  assert int(state.clipped_count) == 1
+
+
+def test_layer_axis_on_gspmd_sharded_layers():
+  # An Auto mesh: see test_agc.py's test of the same name.
+  mesh = jax.make_mesh((2, 4), AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  host = stacked_tree(24)
+  tree = {k: jax.device_put(x, NamedSharding(mesh, P("data") if LAYER_AXES[k] == 0 else P()))
+          for k, x in host.items()}
+  got = jax.jit(lambda t: F.clip_by_block_rms(t, 0.5, layer_axis=LAYER_AXES))(tree)
+  want = optax_per_layer(host, 0.5)
+  for k in host:
+    assert ulps(got[k], want[k], jnp.float32).max() <= F32_APART, k
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_layer_axis_dtypes_nan_and_zero(dtype):
+  x = stacked_tree(25, dtype)["kernel"]
+  got = F.clip_by_block_rms([x], 0.5, layer_axis=0)[0]
+  assert got.dtype == dtype
+  for layer in range(x.shape[0]):  # one rounding of the exact per-slice value
+    assert ulps(got[layer], exact(x[layer], 0.5), dtype).max() <= (
+        F32_FROM_EXACT if dtype == jnp.float32 else HALF_FROM_EXACT)
+  bad = x.at[1, 0, 0].set(jnp.nan)  # layer 1 only
+  tx = oc.clip_by_block_rms(0.5, layer_axis=0)
+  updates, state = tx.update([bad], tx.init([bad]))
+  assert np.isnan(np.asarray(updates[0][1], np.float64)).all()
+  # (the NaN sends the norms through the core's second pass, which sums in
+  # another order: the others stay within their roundings of the exact value)
+  for layer in (0, 2):
+    assert ulps(updates[0][layer], exact(x[layer], 0.5), dtype).max() <= (
+        F32_FROM_EXACT if dtype == jnp.float32 else HALF_FROM_EXACT)
+  assert state.nonfinite_count == 1
+  zeros = jnp.zeros((3, 4), dtype)
+  np.testing.assert_array_equal(F.clip_by_block_rms([zeros], 0.0, layer_axis=0)[0], zeros)
+  grad = jax.grad(lambda z: jnp.sum(F.clip_by_block_rms([z], 1.0, layer_axis=0)[0]))
+  assert np.isfinite(grad(jnp.zeros((3, 4)))).all()

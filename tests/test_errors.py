@@ -57,6 +57,9 @@ FUNCTIONS = {
         **{"grads": [jnp.ones((4, 2))], "max_norm": 1.0, **k}),
     "per_example_clip_by_layer_norm": lambda **k: F.per_example_clip_by_layer_norm(
         **{"grads": [jnp.ones((4, 2))], "max_norm": 1.0, **k}),
+    "F.unitwise_norm": lambda **k: F.unitwise_norm(**{"x": GRADS["w"], **k}),
+    "F.unitwise_clip": lambda **k: F.unitwise_clip(**{
+        "g_norm": GRADS["w"], "max_norm": GRADS["w"], "grad": GRADS["w"], **k}),
     "loss_scale": oc.loss_scale,
 }
 
@@ -114,6 +117,9 @@ SPECS = ["clip_by_norm", "clip_by_global_norm", "clip_grad_norm",
          "F.clip_by_norm", "F.clip_by_global_norm", "F.adaptive_grad_clip",
          "global_norm", "per_example_clip_by_global_norm",
          "per_example_clip_by_layer_norm"]
+LAYER_AXIS = ["adaptive_grad_clip", "F.adaptive_grad_clip", "clip_by_block_rms",
+              "F.clip_by_block_rms", "adagc", "per_example_clip_by_layer_norm",
+              "F.unitwise_norm"]
 STATEFUL = {"auto_clip": "AutoClipState", "zclip": "ZClipState",
             "adagc": "AdaGCState", "skip_step": "SkipState",
             "dynamic_loss_scale": "LossScaleState",
@@ -358,6 +364,40 @@ BAD_ARGUMENTS = [
     ("clip_by_global_norm.init", {"max_norm": {"a": 1.0}, "groups": {"w": "a", "b": "c"}},
      ValueError, _arg("clip_by_global_norm", "max_norm") + r" has no limit for group "
      r"'c' \(it has \['a'\]\); give every group of `groups=` one"),
+    # --- layer_axis: ints (or None) that fit the leaves ------------------------
+    *_rows(LAYER_AXIS, "layer_axis", [
+        ("0", TypeError, r" must hold ints \(the axis that stacks layers\) or None, "
+         r"got '0' of type str"),
+        ({"w": 1.5}, TypeError, r" must hold ints .* or None, got 1.5 of type float"),
+        (True, TypeError, r" must hold ints .* or None, got True of type bool"),
+        (jnp.array(0), TypeError, r" chooses the axes the norms keep and must be static: "
+         r"ints or None; with optax.inject_hyperparams list it in static_args "
+         r"\(static_args=\('layer_axis',\)\), got Array\(0")]),
+    *[(name, {"layer_axis": 1}, ValueError, rf"`{_name(name)}\(layer_axis=1\)` is out "
+       r"of range for leaf \['b'\] of shape \(3,\); give None for leaves that")
+      for name in ("F.clip_by_block_rms", "F.adaptive_grad_clip")],
+    ("per_example_clip_by_layer_norm", {"layer_axis": 1}, ValueError,
+     r"`per_example_clip_by_layer_norm\(layer_axis=1\)` is out of range for leaf "
+     r"\[0\] of shape \(2,\)"),
+    ("F.adaptive_grad_clip", {"layer_axis": {"w": 0, "x": 0}}, ValueError,
+     r"`adaptive_grad_clip\(layer_axis=\.\.\.\)` must be an int or a tree prefix of "
+     r"the gradients"),
+    # --- unitwise_norm / unitwise_clip ---------------------------------------
+    ("F.unitwise_norm", {"x": jnp.ones((1, 2, 1, 2, 1, 2))}, ValueError,
+     r"`unitwise_norm`: x has shape \(1, 2, 1, 2, 1, 2\); units are known for up to 5 "
+     r"dimensions, pass `axis=`"),
+    ("F.unitwise_norm", {"axis": 2}, ValueError,
+     r"`unitwise_norm\(axis=\(2,\)\)` is out of range for x of shape \(2, 3\)"),
+    *_rows(["F.unitwise_norm"], "axis", [
+        (1.5, TypeError, r" must be None, an int or a tuple of ints, got 1.5")]),
+    *[("F.unitwise_clip", {arg: jnp.ones(3)}, ValueError,
+       rf"`unitwise_clip\({arg}=\.\.\.\)` must have grad's shape \(2, 3\), got "
+       r"\(3,\); unitwise_norm\(grad\) gives norms in that shape")
+      for arg in ("g_norm", "max_norm")],
+    *_rows(["F.unitwise_clip"], "div_eps", [
+        (0.0, ValueError, r" must be a finite number > 0, got 0.0"),
+        (math.inf, ValueError, r" must be a finite number > 0, got inf"),
+        ("1e-6", TypeError, r" must be a real number, got '1e-6'")]),
     # --- trees: leaves, shapes, structures ------------------------------------
     ("F.adaptive_grad_clip", {"updates": {"x": jnp.ones((1, 2, 1, 2, 1, 2))},
                               "params": {"x": jnp.ones((1, 2, 1, 2, 1, 2))}},

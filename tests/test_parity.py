@@ -61,6 +61,9 @@ ULPS = {
     "tensorflow": 4,
     "optax": 4,
     "value": 0,  # clip_grad_value_, tf.clip_by_value, optax.clip: exact
+    # optax.transforms.unitwise_clip: the same formula, rounded in the same
+    # places: exact.
+    "unitwise_clip": 0,
 }
 
 # Largest difference seen, in ulps, per ULPS key (filled in by _check).
@@ -608,6 +611,61 @@ def test_live_optax(seed):
   expected, _ = ref.update(g, ref.init(g))
   _, updates = _run("jit", _value_fns, None, g, d)
   _check_tree("value", updates, _tree_leaves(expected), "clip", like=g)
+
+
+def _optax_agc_pieces(_, g, p, clipping):
+  """optaxclip's AGC (functional and transform) and optax's unitwise pieces
+  put together by hand from optaxclip's unitwise_norm/unitwise_clip."""
+  tx = oc.adaptive_grad_clip(clipping)
+  updates, _ = tx.update(g, tx.init(p), p)
+  by_hand = jax.tree.map(
+      lambda x, w: F.unitwise_clip(F.unitwise_norm(x),
+                                   clipping * jnp.maximum(F.unitwise_norm(w), 1e-3), x),
+      g, p)
+  return F.adaptive_grad_clip(g, p, clipping), updates, by_hand
+
+
+def _block_rms_fns(_, g, threshold):
+  tx = oc.clip_by_block_rms(threshold)
+  updates, _ = tx.update(g, tx.init(g))
+  return F.clip_by_block_rms(g, threshold), updates
+
+
+@pytest.mark.parametrize("seed", SEEDS, ids=SEED_IDS)
+def test_live_optax_unitwise(seed):
+  """functional.unitwise_norm / unitwise_clip against
+  optax.transforms.unitwise_norm / unitwise_clip, leaf by leaf."""
+  leaves = _random_leaves(seed)
+  rng = np.random.default_rng(2000 + seed)
+  for i, x in enumerate(leaves):
+    ref_norm = optax.transforms.unitwise_norm(x)
+    _check("optax", F.unitwise_norm(x), ref_norm, f"unitwise_norm leaf {i}")
+    max_norm = (np.asarray(ref_norm) * rng.uniform(0.5, 1.5, x.shape)).astype(np.float32)
+    _check("unitwise_clip", F.unitwise_clip(ref_norm, max_norm, x),
+           optax.transforms.unitwise_clip(ref_norm, max_norm, x), f"unitwise_clip leaf {i}")
+
+
+@pytest.mark.parametrize("seed", SEEDS, ids=SEED_IDS)
+def test_live_optax_adaptive_grad_clip_and_block_rms(seed):
+  leaves = _random_leaves(seed)
+  g = _as_tree(leaves, _kind(seed))
+  params = _as_tree([np.random.default_rng(3000 + seed).standard_normal(x.shape)
+                     .astype(np.float32) for x in leaves], _kind(seed))
+  for clipping in (0.01, 0.3):
+    ref = optax.adaptive_grad_clip(clipping)
+    expected, _ = ref.update(g, ref.init(params), params)
+    pieces = _jitted(_optax_agc_pieces)(None, g, params, jnp.float32(clipping))
+    for got, what in zip(pieces,
+                         ("functional", "transform", "unitwise pieces")):
+      _check_tree("optax", got, _tree_leaves(expected),
+                  f"adaptive_grad_clip({clipping}) {what}", like=g)
+  for threshold in (1e-3, 0.5):
+    ref = optax.clip_by_block_rms(threshold)
+    expected, _ = ref.update(g, ref.init(g))
+    for got, what in zip(_run("jit", _block_rms_fns, None, g, threshold),
+                         ("functional", "transform")):
+      _check_tree("optax", got, _tree_leaves(expected),
+                  f"clip_by_block_rms({threshold}) {what}", like=g)
 
 
 if __name__ == "__main__":

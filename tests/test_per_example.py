@@ -198,3 +198,126 @@ def test_shard_map_with_split_features():
       out_specs=PerExampleClip((P("i"), P("i")), P(), P())))
   result, expected = fn(grads), per_example_clip_by_global_norm(grads, 0.5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), result, expected)
+
+
+# --------------------------------------------------------------------------
+# layer_axis (issue 13 section 2): each example's layer slice on its own, as
+# optax clips the unstacked layers.
+
+def stacked_tree(dtype=jnp.float32):
+  rng = np.random.default_rng(3)
+  scales = np.concatenate([[0.0], np.geomspace(1e-2, 10, BATCH - 1)])
+  rng.shuffle(scales)
+  def leaf(*shape):  # one example's shape; each layer its own scale too
+    x = rng.normal(size=(BATCH, *shape)) * scales.reshape((-1,) + (1,) * len(shape))
+    return jnp.asarray(x, dtype)
+  return {"kernel": leaf(3, 4, 5), "bias": leaf(3, 5), "mid": leaf(2, 4, 6),
+          "plain": leaf(7)}
+
+
+STACKED_AXES = {"kernel": 0, "bias": 0, "mid": 2, "plain": None}
+
+
+def unstack(tree):
+  """The layers as a flat list, in (leaf, layer) order, for optax."""
+  out = []
+  for k, x in tree.items():
+    axis = STACKED_AXES[k]
+    out.extend([x] if axis is None else
+               [jnp.take(x, i, axis=1 + axis) for i in range(x.shape[1 + axis])])
+  return out
+
+
+def restack(tree, flat, scalars=False):
+  """optax's per-layer results in ``tree``'s leaves (stacked on the layer
+  axis, or for scalars into a vector)."""
+  out, it = {}, iter(flat)
+  for k, x in tree.items():
+    axis = STACKED_AXES[k]
+    out[k] = next(it) if axis is None else jnp.stack(
+        [next(it) for _ in range(x.shape[1 + axis])], axis=0 if scalars else axis)
+  return out
+
+
+OURS_STACKED = jax.jit(per_example_clip_by_layer_norm,
+                       static_argnames=("uniform", "layer_axis"))
+
+
+@pytest.mark.parametrize("uniform", [True, False])
+@pytest.mark.parametrize("max_norm", CLIPS)
+def test_layer_axis_matches_optax_on_unstacked_layers(max_norm, uniform):
+  grads = stacked_tree()
+  layer_axis = STACKED_AXES
+  ours = per_example_clip_by_layer_norm(grads, jnp.float32(max_norm), uniform=uniform,
+                                        layer_axis=layer_axis)
+  summed, num_clipped = OPTAX_LAYER(unstack(grads), jnp.float32(max_norm), uniform=uniform)
+  assert_close(ours.summed, restack(grads, summed))
+  counts = restack(grads, num_clipped, scalars=True)
+  for k in grads:
+    np.testing.assert_array_equal(ours.num_clipped[k], counts[k])
+    assert ours.num_clipped[k].dtype == jnp.int32
+  # norms: [batch, layers] per stacked leaf, numpy float64
+  for k, x in grads.items():
+    axis, host = STACKED_AXES[k], np.asarray(x, np.float64)
+    if axis is None:
+      want = np.sqrt((host.reshape(BATCH, -1) ** 2).sum(1))
+    else:
+      layers = np.moveaxis(host, 1 + axis, 1).reshape(BATCH, host.shape[1 + axis], -1)
+      want = np.sqrt((layers ** 2).sum(2))
+    np.testing.assert_allclose(ours.norms[k], want, rtol=1e-6, atol=1e-30)
+
+
+def test_layer_axis_eager_jit_and_vmap():
+  grads = stacked_tree()
+  eager = per_example_clip_by_layer_norm(grads, 0.5, layer_axis=STACKED_AXES)
+  jitted = jax.jit(lambda g: per_example_clip_by_layer_norm(
+      g, 0.5, layer_axis=STACKED_AXES))(grads)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), eager, jitted)
+  stacked = jax.tree.map(lambda x: jnp.stack([x, 3 * x]), grads)
+  batched = jax.jit(jax.vmap(lambda g: per_example_clip_by_layer_norm(
+      g, 0.5, layer_axis=STACKED_AXES)))(stacked)
+  for i in range(2):
+    one = per_example_clip_by_layer_norm(jax.tree.map(lambda x: x[i], stacked), 0.5,
+                                         layer_axis=STACKED_AXES)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a[i], b, rtol=1e-6), batched, one)
+
+
+@pytest.mark.parametrize("split", ["layers", "features"])
+def test_layer_axis_shard_map_equals_unsharded(split):
+  grads = {"k": stacked_tree()["kernel"].reshape(BATCH, 3, 20)[:, :2],  # [B, 2, 20]
+           "b": stacked_tree()["plain"][:, :6]}
+  specs = {"layers": {"k": P(None, "i"), "b": P(None, "i")},
+           "features": {"k": P(None, None, "i"), "b": P(None, "i")}}[split]
+  mesh = Mesh(np.array(jax.devices()[:2]), ("i",))
+  layer_axis = {"k": 0, "b": None}
+  summed_specs = {k: P(*spec[1:]) for k, spec in specs.items()}  # no batch axis
+  out_specs = PerExampleClip(summed_specs,
+                             {"k": P("i") if split == "layers" else P(), "b": P()},
+                             {"k": P(None, "i") if split == "layers" else P(), "b": P()})
+  fn = jax.jit(shard_map(
+      lambda g: per_example_clip_by_layer_norm(g, 0.5, axis_name="i", specs=specs,
+                                               layer_axis=layer_axis),
+      mesh=mesh, in_specs=(specs,), out_specs=out_specs))
+  result = fn(grads)
+  expected = per_example_clip_by_layer_norm(grads, 0.5, layer_axis=layer_axis)
+  # Sums in another order across the two devices: within a few ulps.
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+               result, expected)
+
+
+def test_layer_sizes_are_the_whole_leaves_under_shard_map():
+  # uniform=False splits max_norm by each leaf's share of the parameters:
+  # those of the whole leaves, not of one device's shards (a leaf split
+  # over 2 devices once counted half its size against a replicated one).
+  grads = {"split": make_tree("tuple")[1][:, :6], "whole": make_tree("one_leaf")[0]}
+  specs = {"split": P(None, "i"), "whole": P()}
+  mesh = Mesh(np.array(jax.devices()[:2]), ("i",))
+  fn = jax.jit(shard_map(
+      lambda g: per_example_clip_by_layer_norm(g, 0.5, uniform=False, axis_name="i",
+                                               specs=specs),
+      mesh=mesh, in_specs=(specs,),
+      out_specs=PerExampleClip({"split": P("i"), "whole": P()}, P(), P())))
+  result = fn(grads)
+  summed, num_clipped = OPTAX_LAYER(grads, jnp.float32(0.5), uniform=False)
+  assert_close(result.summed, summed)
+  jax.tree.map(np.testing.assert_array_equal, result.num_clipped, num_clipped)
