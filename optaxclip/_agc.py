@@ -17,7 +17,6 @@ overflows or underflows), and, under ``shard_map``, the partial sums of the
 gradients' and the parameters' units added with one all-reduce.
 """
 
-import math
 import numbers
 from typing import Any, NamedTuple
 
@@ -136,22 +135,6 @@ def unit_keep(fn: str, where: str, shape: tuple[int, ...],
   return tuple(sorted([stacked, *kept]))
 
 
-def _whole_shapes(fn: str, updates: PyTree, specs: PyTree
-                  ) -> list[tuple[int, ...]]:
-  """Each clippable leaf's shape before ``shard_map`` split it: units are
-  chosen from it (a dimension split down to 1 would make a matrix look
-  like a vector)."""
-  leaves = _tree.clippable_leaves(updates)
-  if specs is None:
-    return [tuple(x.shape) for x in leaves]
-  flat = jax.tree.leaves(updates)
-  leaf_specs = [spec for x, spec in zip(flat, _sharding._leaf_specs(
-      fn, updates, specs)) if _tree.is_clippable(x)]
-  return [tuple(d * math.prod(lax.axis_size(a) for a in _sharding._spec_axes(
-      spec[i] if i < len(spec) else None)) for i, d in enumerate(x.shape))
-          for x, spec in zip(leaves, leaf_specs)]
-
-
 def _kept_axes(fn: str, updates: PyTree, axis: tuple[int, ...] | None,
                layer_axis: PyTree = None, specs: PyTree = None
                ) -> tuple[tuple[int, ...], ...]:
@@ -161,7 +144,7 @@ def _kept_axes(fn: str, updates: PyTree, axis: tuple[int, ...] | None,
             or ((),) * len(leaves))
   return tuple(unit_keep(fn, f"leaf {path}", shape, axis, layer)
                for (path, _), shape, layer in zip(
-                   leaves, _whole_shapes(fn, updates, specs), layers))
+                   leaves, _sharding.whole_shapes(fn, updates, specs), layers))
 
 
 def unit_factors(g_norm: jax.Array, max_norm: jax.Array,

@@ -85,22 +85,9 @@ def _block_rms_factors(norms: jax.Array, sizes: np.ndarray,
 
 def _global_sizes(leaves: list[jax.Array],
                   reduction: _norms.Reduction) -> np.ndarray:
-  """Each leaf's number of entries across the devices it is split over.
-
-  Under ``shard_map``/``pmap`` a leaf holds a shard: its whole size is the
-  shard's times the size of every named axis it is split on (all of them,
-  less those ``specs`` replicate it on).
-  """
-  sizes = []
-  for i, x in enumerate(leaves):
-    replicated = (() if reduction.replicated_axes is None
-                  else reduction.replicated_axes[i])
-    size = math.prod(x.shape)
-    for axis in reduction.axis_names:
-      if axis not in replicated:
-        size *= lax.axis_size(axis)
-    sizes.append(size)
-  return np.asarray(sizes, np.float64)
+  """Each leaf's number of entries across the devices it is split over."""
+  return np.asarray([reduction.whole_count(i, math.prod(x.shape))
+                     for i, x in enumerate(leaves)], np.float64)
 
 
 def _leaf_rms(leaves: list[jax.Array], reduction: _norms.Reduction,
@@ -135,18 +122,9 @@ def _layer_sizes(leaves: list[jax.Array], keep: tuple[tuple[int, ...], ...],
                  reduction: _norms.Reduction) -> list[float]:
   """Each leaf's number of entries per layer slice, across the devices it
   is split over (not those that split its layers: each holds others)."""
-  sizes = []
-  for i, (x, kept) in enumerate(zip(leaves, keep)):
-    size = math.prod(d for a, d in enumerate(x.shape) if a not in kept)
-    replicated = (() if reduction.replicated_axes is None
-                  else reduction.replicated_axes[i])
-    split_kept = (() if reduction.split_kept_axes is None
-                  else reduction.split_kept_axes[i])
-    for axis in reduction.axis_names:
-      if axis not in replicated and axis not in split_kept:
-        size *= lax.axis_size(axis)
-    sizes.append(float(size))
-  return sizes
+  return [float(reduction.whole_count(
+      i, math.prod(d for a, d in enumerate(x.shape) if a not in kept)))
+          for i, (x, kept) in enumerate(zip(leaves, keep))]
 
 
 def _layer_rms(leaves: list[jax.Array], keep: tuple[tuple[int, ...], ...],

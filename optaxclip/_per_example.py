@@ -21,7 +21,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from optaxclip import _leaf_norms, _norms, _scaling, _tree, _validation
 
@@ -196,18 +195,10 @@ def _whole_counts(leaves: list[jax.Array], keep: tuple[tuple[int, ...], ...],
   ``shard_map`` a device holds a shard (of the layers, or of each)."""
   layers, sizes = [], []
   for i, (x, kept) in enumerate(zip(leaves, keep)):
-    count, size = math.prod(x.shape[1 + a] for a in kept), x[0].size
-    replicated = (() if reduction.replicated_axes is None
-                  else reduction.replicated_axes[i])
-    split = (() if reduction.split_kept_axes is None
-             else reduction.split_kept_axes[i])
-    for axis in reduction.axis_names:
-      if axis not in replicated:
-        size *= lax.axis_size(axis)
-      if axis in split:
-        count *= lax.axis_size(axis)
-    layers.append(count)
-    sizes.append(size)
+    local_layers = math.prod(x.shape[1 + a] for a in kept)
+    per_layer = x[0].size // max(local_layers, 1)
+    layers.append(reduction.whole_count(i, local_layers, kept=True))
+    sizes.append(reduction.whole_count(i, per_layer) * layers[-1])
   return layers, sizes
 
 

@@ -9,6 +9,7 @@ axis (a layer, an AGC output unit) is split over an axis is a different unit
 on each device of it and must not be summed over that axis.
 """
 
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -80,6 +81,19 @@ class Reduction(NamedTuple):
     # Replicated leaves need no mask: max ignores repeated values.
     del sizes
     return lax.pmax(partials, self.axis_names) if self.axis_names else partials
+
+  def whole_count(self, leaf: int, local: int, *, kept: bool = False) -> int:
+    """``local``, a count of leaf ``leaf``'s entries on this device, over
+    all devices: of its reduced axes (default), or with ``kept`` of its
+    kept axes (layers, units). Under ``shard_map`` a device holds a shard."""
+    replicated = () if self.replicated_axes is None else (
+        self.replicated_axes[leaf])
+    split_kept = () if self.split_kept_axes is None else (
+        self.split_kept_axes[leaf])
+    splitting = (split_kept if kept else
+                 [a for a in self.axis_names
+                  if a not in replicated and a not in split_kept])
+    return local * math.prod(lax.axis_size(axis) for axis in splitting)
 
   def device_count(self) -> int:
     return lax.psum(1, self.axis_names) if self.axis_names else 1
@@ -161,6 +175,20 @@ def _leaf_specs(fn: str, tree: PyTree, specs: PyTree) -> list[Any]:
            "PartitionSpec leaves (as shard_map's in_specs)")
   return [jax.sharding.PartitionSpec() if spec is None else spec
           for spec in specs]
+
+
+def whole_shapes(fn: str, tree: PyTree, specs: PyTree) -> list[tuple[int, ...]]:
+  """Each clippable leaf's shape before ``shard_map`` split it by ``specs``
+  (under ``shard_map``; the local shapes when ``specs`` is None)."""
+  leaves = _tree.clippable_leaves(tree)
+  if specs is None:
+    return [tuple(x.shape) for x in leaves]
+  leaf_specs = [spec for x, spec in zip(jax.tree.leaves(tree),
+                                        _leaf_specs(fn, tree, specs))
+                if _tree.is_clippable(x)]
+  return [tuple(d * math.prod(lax.axis_size(a) for a in _spec_axes(
+      spec[i] if i < len(spec) else None)) for i, d in enumerate(x.shape))
+          for x, spec in zip(leaves, leaf_specs)]
 
 
 def make_reduction(fn: str, tree: PyTree, axis_name: Any, specs: PyTree,
