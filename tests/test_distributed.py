@@ -314,7 +314,7 @@ def test_gspmd_outputs_keep_the_input_sharding(layout, axis_type):
     updates, state = out[name]
     for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(updates)):
       assert y.sharding.is_equivalent_to(x.sharding, x.ndim), name
-    assert all(s.sharding.is_fully_replicated for s in state), name
+    assert all(s.sharding.is_fully_replicated for s in jax.tree.leaves(state)), name
   assert out["clip_norm"].sharding.is_fully_replicated
 
 
