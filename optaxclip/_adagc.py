@@ -147,11 +147,12 @@ def adagc(*, lambda_abs: Scalar = 1.0, lambda_rel: Scalar = 1.05, beta: Scalar =
     warmup_steps: how many steps clip globally (an int >= 1; may be
       injected).
     eps: added to every norm before dividing (>= 0).
-    axis_name: under ``shard_map``/``pmap``, the axis name(s) the updates are
-      split over: each tensor's norm is global across devices (one
-      all-reduce for all tensors).
-    specs: with ``axis_name``, the updates' ``PartitionSpec`` (tree prefix):
-      replicated leaves count once. The layer axis may not be split.
+    axis_name: under ``shard_map``/``pmap``, the mesh axis name(s) the updates
+      are split over: the norms are then those of the whole, unsplit updates,
+      with one all-reduce (see ``functional.global_norm``).
+    specs: with ``axis_name``, the updates' ``PartitionSpec`` (a tree prefix, as
+      ``shard_map``'s ``in_specs``): a leaf replicated on an axis counts once.
+      The layer axis may not be split.
     layer_axis: for scanned (stacked) layers, the axis that stacks them (an
       int, or a tree prefix of the updates with int or None leaves): each
       layer's slice is a tensor of its own, with its own threshold and

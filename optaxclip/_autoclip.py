@@ -129,10 +129,11 @@ def auto_clip(percentile: Scalar = 10.0, *, history: int = 1000,
       in ``static_args``.
     eps: added to the norm before dividing (1e-6: PyTorch's
       ``clip_grad_norm_``).
-    axis_name: under ``shard_map``/``pmap``, the axis name(s) the updates are
-      split over: the norm is global across devices, with one all-reduce.
-    specs: with ``axis_name``, the updates' ``PartitionSpec`` (tree prefix):
-      replicated leaves count once.
+    axis_name: under ``shard_map``/``pmap``, the mesh axis name(s) the updates
+      are split over: the norms are then those of the whole, unsplit updates,
+      with one all-reduce (see ``functional.global_norm``).
+    specs: with ``axis_name``, the updates' ``PartitionSpec`` (a tree prefix, as
+      ``shard_map``'s ``in_specs``): a leaf replicated on an axis counts once.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is an ``AutoClipState``.

@@ -206,10 +206,11 @@ def clip_by_block_rms_fn(tree: PyTree, threshold: Scalar, *,
     tree: a pytree of arrays.
     threshold: the largest RMS a leaf may keep (a number >= 0; ``inf`` never
       clips).
-    axis_name: under ``shard_map``/``pmap``, the axis name(s) leaves are split
-      over: each leaf's RMS is then that of the whole leaf (one all-reduce).
-    specs: with ``axis_name``, the leaves' ``PartitionSpec`` (tree prefix):
-      leaves replicated on an axis are counted once.
+    axis_name: under ``shard_map``/``pmap``, the mesh axis name(s) the updates
+      are split over: the norms are then those of the whole, unsplit updates,
+      with one all-reduce (see ``functional.global_norm``).
+    specs: with ``axis_name``, the updates' ``PartitionSpec`` (a tree prefix, as
+      ``shard_map``'s ``in_specs``): a leaf replicated on an axis counts once.
     layer_axis: for scanned (stacked) layers, the axis that stacks them (an
       int, or a tree prefix of the tree with int or None leaves): each
       layer's slice is a block of its own, with the RMS of its ``n / L``
@@ -261,9 +262,11 @@ def clip_by_block_rms(threshold: Scalar, *, axis_name: AxisName = None,
   Args:
     threshold: the largest RMS a leaf may keep (a number >= 0; ``inf``
       never clips).
-    axis_name: under ``shard_map``/``pmap``, the axis name(s) the updates are
-      split over: each leaf's RMS is that of the whole leaf (one all-reduce).
-    specs: with ``axis_name``, the updates' ``PartitionSpec`` (tree prefix).
+    axis_name: under ``shard_map``/``pmap``, the mesh axis name(s) the updates
+      are split over: the norms are then those of the whole, unsplit updates,
+      with one all-reduce (see ``functional.global_norm``).
+    specs: with ``axis_name``, the updates' ``PartitionSpec`` (a tree prefix, as
+      ``shard_map``'s ``in_specs``): a leaf replicated on an axis counts once.
     layer_axis: for scanned (stacked) layers, the axis that stacks them (an
       int, or a tree prefix of the updates with int or None leaves): each
       layer's slice is clipped by its own RMS; the state logs the largest

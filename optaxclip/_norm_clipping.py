@@ -193,9 +193,11 @@ def clip_by_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
       never clips).
     ord: the norm order: any number ``p > 0`` or ``inf``.
     eps: added to the norm before dividing (0: exact threshold).
-    axis_name: under ``shard_map``/``pmap``, the axis name(s) leaves are split
-      over; see ``global_norm``.
-    specs: with ``axis_name``, the leaves' ``PartitionSpec`` (tree prefix).
+    axis_name: under ``shard_map``/``pmap``, the mesh axis name(s) the updates
+      are split over: the norms are then those of the whole, unsplit updates,
+      with one all-reduce (see ``functional.global_norm``).
+    specs: with ``axis_name``, the updates' ``PartitionSpec`` (a tree prefix, as
+      ``shard_map``'s ``in_specs``): a leaf replicated on an axis counts once.
     layer_axis: an int, or a tree prefix of the updates with int or None
       leaves: the axis that stacks scanned layers. Each layer's slice is then
       clipped by its own norm.
@@ -272,10 +274,11 @@ def clip_by_global_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
       the norm is still measured).
     ord: the norm order: any number ``p > 0`` or ``inf``.
     eps: added to the norm before dividing (0: exact threshold).
-    axis_name: under ``shard_map``/``pmap``, the axis name(s) leaves are split
-      over; the norm is then global across devices (one all-reduce).
-    specs: with ``axis_name``, the leaves' ``PartitionSpec`` (tree prefix):
-      leaves replicated on an axis are counted once.
+    axis_name: under ``shard_map``/``pmap``, the mesh axis name(s) the updates
+      are split over: the norms are then those of the whole, unsplit updates,
+      with one all-reduce (see ``functional.global_norm``).
+    specs: with ``axis_name``, the updates' ``PartitionSpec`` (a tree prefix, as
+      ``shard_map``'s ``in_specs``): a leaf replicated on an axis counts once.
     use_norm: the norm to clip by (a scalar >= 0; NaN and inf are passed
       on), or None to measure the tree's own.
 
@@ -447,9 +450,11 @@ def clip_by_norm(max_norm: Scalar, *, ord: Ord = 2, eps: Scalar = 0.0,
       never clips).
     ord: the norm order: any number ``p > 0`` or ``inf``.
     eps: added to each norm before dividing (0: exact threshold).
-    axis_name: under ``shard_map``/``pmap``, the axis name(s) leaves are split
-      over.
-    specs: with ``axis_name``, the leaves' ``PartitionSpec`` (tree prefix).
+    axis_name: under ``shard_map``/``pmap``, the mesh axis name(s) the updates
+      are split over: the norms are then those of the whole, unsplit updates,
+      with one all-reduce (see ``functional.global_norm``).
+    specs: with ``axis_name``, the updates' ``PartitionSpec`` (a tree prefix, as
+      ``shard_map``'s ``in_specs``): a leaf replicated on an axis counts once.
     nonfinite: ``"propagate"``, ``"zero"`` or ``"raise"``: what to do when a
       norm is NaN or Inf.
     layer_axis: an int, or a tree prefix of the updates with int or None
@@ -504,10 +509,11 @@ def clip_by_global_norm(max_norm: Scalar, *, ord: Ord = 2, eps: Scalar = 0.0,
     ord: the norm order: any number ``p > 0`` or ``inf``.
     eps: added to the norm before dividing: 0 (Optax, TensorFlow) clips
       exactly at ``max_norm``; 1e-6 is PyTorch's ``clip_grad_norm_``.
-    axis_name: under ``shard_map``/``pmap``, the axis name(s) the updates are
-      split over: the norm is global across devices, with one all-reduce.
-    specs: with ``axis_name``, the updates' ``PartitionSpec`` (tree prefix,
-      as in ``shard_map``'s ``in_specs``): replicated leaves count once.
+    axis_name: under ``shard_map``/``pmap``, the mesh axis name(s) the updates
+      are split over: the norms are then those of the whole, unsplit updates,
+      with one all-reduce (see ``functional.global_norm``).
+    specs: with ``axis_name``, the updates' ``PartitionSpec`` (a tree prefix, as
+      ``shard_map``'s ``in_specs``): a leaf replicated on an axis counts once.
     nonfinite: what to do when the norm is NaN or Inf: ``"propagate"`` (as
       Optax/PyTorch/TensorFlow: the update carries the NaN), ``"zero"`` (the
       update becomes zeros) or ``"raise"`` (an error naming the leaves that

@@ -446,8 +446,8 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
     ord: the norm order: any number ``p > 0`` or ``inf``.
     axis_name: under ``shard_map``/``pmap``, the axis name(s) the gradients
       are split over: every device takes the same decision.
-    specs: with ``axis_name``, the gradients' ``PartitionSpec`` (tree
-      prefix): replicated leaves count once.
+    specs: with ``axis_name``, the updates' ``PartitionSpec`` (a tree prefix, as
+      ``shard_map``'s ``in_specs``): a leaf replicated on an axis counts once.
     loss_zscore: skip steps whose loss (``update(..., loss=loss)``) is NaN,
       Inf, or has a z-score above it (a number > 0 or inf), or None (the
       loss only logged). Large runs use values around 6.

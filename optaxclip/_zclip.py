@@ -291,10 +291,11 @@ def zclip(*, alpha: Scalar = 0.97, z_thresh: Scalar = 2.5,
     clip_factor: multiplies the ``"adaptive_scaling"`` threshold (the
       reference multiplies the whole threshold, mean included).
     skip_update_on_spike: leave the EMA unchanged on spikes.
-    axis_name: under ``shard_map``/``pmap``, the axis name(s) the updates are
-      split over: the norm is global across devices, with one all-reduce.
-    specs: with ``axis_name``, the updates' ``PartitionSpec`` (tree prefix):
-      replicated leaves count once.
+    axis_name: under ``shard_map``/``pmap``, the mesh axis name(s) the updates
+      are split over: the norms are then those of the whole, unsplit updates,
+      with one all-reduce (see ``functional.global_norm``).
+    specs: with ``axis_name``, the updates' ``PartitionSpec`` (a tree prefix, as
+      ``shard_map``'s ``in_specs``): a leaf replicated on an axis counts once.
     leaf_norms: keep every leaf's norm in the state (``zclip/leaf_norm/
       <path>``), from the same pass as the global norm.
     layer_axis: with ``leaf_norms``, the axis that stacks layers (a tree
