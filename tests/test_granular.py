@@ -50,6 +50,13 @@ def np_norm(x, ord, layer_axis=None):
   return out[0] if layer_axis is None else out
 
 
+def np_norm_of_tree(tree, ord=2):
+  """The float64 ``ord``-norm of all floating leaves of ``tree`` together."""
+  leaves = [x for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.floating)]
+  return np_norm(np.concatenate([f64(x).ravel() for x in leaves]), ord)
+
+
 def np_factor(norm, max_norm, eps=0.0):
   norm = np.asarray(norm)
   return np.where(norm + eps <= max_norm, 1.0, max_norm / (norm + eps))
@@ -140,6 +147,42 @@ def test_leaf_norms_equal_numpy_per_leaf_and_per_layer(name, ord, jit):
     _, state = run(tx, grads, jit)
     assert_norm_tree(state.leaf_norms,
                      expected_norm_tree(grads, ord, layer_axis is not None))
+
+
+@pytest.mark.parametrize("layer_axis", [None, LAYER_AXIS], ids=["leaf", "layer"])
+@pytest.mark.parametrize("name", ["skip_step", "zclip"])
+def test_skip_step_and_zclip_keep_leaf_norms(name, layer_axis):
+  grads = gradients()
+  if name == "skip_step":
+    tx = oc.skip_step(optax.sgd(1.0), leaf_norms=True, layer_axis=layer_axis)
+    state = jax.jit(tx.update)(grads, tx.init(grads), grads)[1]
+    leaf_state, prefix, norm = state.stats, "skip", state.stats.norm
+  else:
+    tx = oc.zclip(leaf_norms=True, layer_axis=layer_axis)
+    state = run(tx, grads)[1]
+    leaf_state, prefix, norm = state, "zclip", state.norm
+  assert_norm_tree(leaf_state.leaf_norms,
+                   expected_norm_tree(grads, 2, layer_axis is not None))
+  np.testing.assert_allclose(norm, np_norm_of_tree(grads), rtol=2e-6)
+  keys = [k for k in oc.stats(state) if "/leaf_norm/" in k]
+  assert keys and all(k.startswith(f"{prefix}/leaf_norm/") for k in keys)
+  # Off by default: nothing kept.
+  plain = oc.skip_step(optax.sgd(1.0)) if name == "skip_step" else oc.zclip()
+  plain_state = plain.init(grads)
+  stats = plain_state.stats if name == "skip_step" else plain_state
+  assert stats.leaf_norms is None
+
+
+def test_skip_step_leaf_norms_are_unscaled_under_loss_scaling():
+  grads = gradients()
+  tx = oc.skip_step(optax.chain(oc.dynamic_loss_scale(2.0 ** 10), optax.sgd(1.0)),
+                    leaf_norms=True)
+  state = tx.init(grads)
+  scaled = jax.tree.map(lambda x: x * 2.0 ** 10
+                        if jnp.issubdtype(x.dtype, jnp.floating) else x, grads)
+  state = jax.jit(tx.update)(scaled, state, grads)[1]
+  assert_norm_tree(state.stats.leaf_norms,
+                   expected_norm_tree(grads, 2, False), rtol=2e-6)
 
 
 @pytest.mark.parametrize("ord", ORDS)
