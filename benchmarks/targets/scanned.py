@@ -15,12 +15,13 @@ from benchmarks._config import Config
 from benchmarks._report import Check, Section, Table, interval, ms, verdict
 from benchmarks._timing import (
   compile_seconds,
+  in_fresh_process,
   interleaved_samples,
   median_ratio,
   median_ratio_interval,
   rotated,
 )
-from benchmarks.targets._base import Target, describe_tree
+from benchmarks.targets._base import Target, describe_tree, select_platform
 from benchmarks.targets.compile_time import ALONE_RATIO_LIMIT, STEP_EXTRA_LIMIT
 from benchmarks.targets.standalone import clip_call
 
@@ -100,11 +101,25 @@ def _traffic(grads: PyTree) -> dict[str, Any]:
           for name in (*CLIPS, *REFERENCES)}
 
 
+def _traffic_without_rescue(config: Config, layers: int) -> dict[str, Any] | None:
+  """`_traffic` of optaxclip's clips in a build without the norm's rescue
+  branch (its share, as in `traffic`); in a fresh process, which it patches."""
+  select_platform(config.platform)
+  structs = _trees.structs(_trees.stacked_transformer_shapes(layers=layers, **config.scanned))
+  try:
+    _cost.without_rescue_branch()
+  except _cost.NoBuildWithoutRescue:
+    return None
+  traffic = _traffic(structs)
+  return {name: traffic[name] for name in CLIPS}
+
+
 def measure(config: Config, *, layers: int) -> dict[str, Any]:
   shapes = _trees.stacked_transformer_shapes(layers=layers, **config.scanned)
   structs = _trees.structs(shapes)
   compiled = _compile_samples(structs, config.compile_repeats)
   traffic = _traffic(structs)
+  traffic["without rescue"] = in_fresh_process(_traffic_without_rescue, config, layers)
   grads = _trees.normal_tree(shapes, seed=0)
   transforms = _transforms(grads)
   run = interleaved_samples({name: clip_call(transforms[name](), grads)
@@ -143,10 +158,13 @@ def _clip_rows(layers: int, name: str, c: dict[str, list[float]],
        f"**{ratio:.3f}** x {reference} ({interval(low, high)})",
        "interval contains 1.0 or below", verdict(outcomes[2])],
   ]
+  without = traffic.get("without rescue")
   for measure_, floor in (("alone", 3.0), ("step extra", 1.0)):
+    rescue_free = (f" ({without[name][measure_]:.3f} without the rescue branch)"
+                   if without else "")
     rows.append([str(layers), name, f"traffic, {measure_} (passes)",
-                 f"{traffic[name][measure_]:.3f}", f"{traffic[reference][measure_]:.3f}",
-                 f"floor {floor:.1f}", "", "", "info"])
+                 f"{traffic[name][measure_]:.3f}{rescue_free}",
+                 f"{traffic[reference][measure_]:.3f}", f"floor {floor:.1f}", "", "", "info"])
   what = f"{layers} layers: {name}"
   checks = [
       Check(f"{what}: extra compile time of the step / adamw's", f"{extra:+.1%}",
