@@ -42,6 +42,6 @@ QUICK = dataclasses.replace(
     compile_repeats=1, step_compile_repeats=1, compile_leaves=(50, 100),
     transformer=dict(vocab=32000, d_model=256, layers=8, seq_len=512),
     traffic_parts=False,
-    scanned=dict(vocab=4096, d_model=128, seq_len=256), scanned_layers=(2, 4),
+    scanned=dict(vocab=4096, d_model=128, seq_len=256), scanned_layers=(4,),
     many_leaves=250, many_leaves_runs=2, accuracy_size=10**7,
     half_shapes=((1024, 1024),) * 2)

@@ -38,7 +38,10 @@ def test_quick_run_writes_every_table_and_plot(tmp_path):
     assert re.search(r"\| (PASS|FAIL)", section), f"no PASS/FAIL for {key}"
     assert f"README.md#{key})" in section, f"no link to the definition of {key}"
   assert "## Summary" in markdown and "## Machine and versions" in markdown
-  assert "not yet measured: layer_axis" in _section(markdown, "scanned")
+  scanned = _section(markdown, "scanned")
+  for row in ("| clip_by_global_norm(leaf_norms, layer_axis) | compile, step",
+              "| clip_by_norm(layer_axis) | run, clip alone", "| leaf_norms cost | traffic"):
+    assert row in scanned, row
 
   for png in ("compile_step.png", "compile_time.png", "runtime.png"):
     assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png

@@ -1,6 +1,8 @@
 """The README's demo runs end to end (in its tiny configuration)."""
 
+import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -56,3 +58,20 @@ def test_log_stats_example_writes_csv_and_plot(tmp_path):
   assert "clip/norm" in header and "skip/skipped_count" in header, header
   assert len(rows) > 10
   assert (tmp_path / "stats.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_scanned_training_quick_logs_per_layer_norms(tmp_path):
+  png = tmp_path / "layers.png"
+  # This checkout's optaxclip, not whichever one the environment installed.
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+      [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+  result = subprocess.run(
+      [sys.executable, str(ROOT / "examples" / "scanned_training.py"), "--quick",
+       "--out", str(png)], env=env, capture_output=True, text=True, timeout=600, check=True)
+  # One norm per stacked layer (2 in the quick configuration), all finite.
+  norms = re.search(r"last step's layer norms: (.*)", result.stdout)
+  assert norms, result.stdout
+  values = [float(v) for v in norms[1].split()]
+  assert len(values) == 2 and all(0.0 < v < float("inf") for v in values), values
+  assert png.stat().st_size > 10_000
+  assert png.read_bytes()[:8] == PNG_MAGIC

@@ -106,6 +106,139 @@ def test_flax_nnx_raw_opt_state_stats_are_arrays():
   assert all(isinstance(v, jax.Array) for v in raw.values()), raw
 
 
+# ------------------------------------------------- Flax NNX: scanned layers
+
+SCAN_LAYERS, SCAN_WIDTH = 4, 6
+
+
+def _scanned_and_twin(nnx):
+  """A model whose blocks are stacked by ``nnx.vmap`` and applied by
+  ``nnx.scan``, and an unscanned twin (a list of blocks) with the same
+  weights; each as (pure param dict, loss of a pure param dict)."""
+
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(SCAN_WIDTH, SCAN_WIDTH, rngs=rngs)
+
+    def __call__(self, x):
+      return jnp.tanh(self.lin(x))
+
+  class Scanned(nnx.Module):
+    def __init__(self, rngs):
+      @nnx.split_rngs(splits=SCAN_LAYERS)
+      @nnx.vmap(in_axes=0, out_axes=0)
+      def make(rngs):
+        return Block(rngs)
+      self.blocks = make(rngs)
+      self.head = nnx.Linear(SCAN_WIDTH, 2, rngs=rngs)
+
+    def __call__(self, x):
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+      def body(x, block):
+        return block(x)
+      return self.head(body(x, self.blocks))
+
+  class Twin(nnx.Module):
+    def __init__(self, rngs):
+      self.blocks = nnx.List([Block(rngs) for _ in range(SCAN_LAYERS)])
+      self.head = nnx.Linear(SCAN_WIDTH, 2, rngs=rngs)
+
+    def __call__(self, x):
+      for block in self.blocks:
+        x = block(x)
+      return self.head(x)
+
+  kx, ky = jax.random.split(jax.random.key(1))
+  x = jax.random.normal(kx, (16, SCAN_WIDTH))
+  y = 10.0 * jax.random.normal(ky, (16, 2))  # gradients well above 1
+
+  def functional(model):
+    graphdef, state = nnx.split(model, nnx.Param)
+
+    def loss(pure):
+      nnx.replace_by_pure_dict(state, pure)
+      return jnp.mean((nnx.merge(graphdef, state)(x) - y) ** 2)
+    return nnx.to_pure_dict(state), loss
+
+  scanned, scanned_loss = functional(Scanned(nnx.Rngs(0)))
+  twin = {"blocks": {i: jax.tree.map(lambda a: a[i], scanned["blocks"])
+                     for i in range(SCAN_LAYERS)},
+          "head": scanned["head"]}
+  twin_template, twin_loss = functional(Twin(nnx.Rngs(1)))
+  assert jax.tree.structure(twin) == jax.tree.structure(twin_template)
+  return (scanned, scanned_loss), (twin, twin_loss)
+
+
+def _unstack(tree):
+  """A scanned model's pure params (or updates) in its twin's layout."""
+  return {"blocks": {i: jax.tree.map(lambda a: a[i], tree["blocks"])
+                     for i in range(SCAN_LAYERS)}, "head": tree["head"]}
+
+
+SCAN_LAYER_AXIS = {"blocks": 0, "head": None}
+SCAN_MAX_NORM = 3.0
+SCAN_CLIPS = {
+    "clip_by_global_norm": lambda **kw: oc.clip_by_global_norm(1.0, leaf_norms=True, **kw),
+    # Between the smallest and largest layer norms: some layers clipped.
+    "clip_by_norm": lambda **kw: oc.clip_by_norm(SCAN_MAX_NORM, leaf_norms=True, **kw),
+}
+
+
+@pytest.mark.parametrize("clip", sorted(SCAN_CLIPS))
+def test_nnx_scan_layer_norms_and_step_match_unscanned_twin(clip):
+  nnx = pytest.importorskip("flax.nnx")
+  (params, loss), (twin_params, twin_loss) = _scanned_and_twin(nnx)
+  grads = jax.grad(loss)(params)
+  twin_grads = jax.grad(twin_loss)(twin_params)
+  # The scan and the unrolled loop compute the same gradients, per layer.
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               _unstack(grads), twin_grads)
+
+  tx = optax.chain(SCAN_CLIPS[clip](layer_axis=SCAN_LAYER_AXIS), optax.sgd(0.1))
+  twin_tx = optax.chain(SCAN_CLIPS[clip](), optax.sgd(0.1))
+  step = jax.jit(lambda tx, g, s, p: optax.apply_updates(p, tx.update(g, s, p)[0]),
+                 static_argnums=0)
+  new = jax.jit(tx.update)(grads, tx.init(params), params)
+  twin_new = jax.jit(twin_tx.update)(twin_grads, twin_tx.init(twin_params), twin_params)
+  stats, twin_stats = oc.stats(new[1]), oc.stats(twin_new[1])
+
+  # One norm per layer of each stacked leaf, equal to the twin's per-leaf
+  # norm of that layer and to numpy's norm of the twin's gradient leaf.
+  layer_keys = [k for k in stats if k.startswith("clip/leaf_norm/blocks/")]
+  assert len(layer_keys) == 2 * SCAN_LAYERS  # kernel and bias, per layer
+  for i in range(SCAN_LAYERS):
+    for name in ("kernel", "bias"):
+      reference = np.linalg.norm(np.asarray(twin_grads["blocks"][i]["lin"][name],
+                                            np.float64).ravel())
+      scanned_norm = stats[f"clip/leaf_norm/blocks/lin/{name}/{i}"]
+      np.testing.assert_allclose(scanned_norm, reference, rtol=1e-5)
+      np.testing.assert_allclose(scanned_norm,
+                                 twin_stats[f"clip/leaf_norm/blocks/{i}/lin/{name}"],
+                                 rtol=1e-5)
+  for name in ("kernel", "bias"):
+    np.testing.assert_allclose(stats[f"clip/leaf_norm/head/{name}"],
+                               twin_stats[f"clip/leaf_norm/head/{name}"], rtol=1e-5)
+  np.testing.assert_allclose(stats["clip/norm"], twin_stats["clip/norm"], rtol=1e-5)
+  if clip == "clip_by_norm":  # some layers clipped, some not: a real test
+    norms = np.array([stats[k] for k in layer_keys])
+    assert norms.min() < SCAN_MAX_NORM < norms.max(), norms
+
+  # The step: the scanned model's updated params are the twin's, layer by layer.
+  updated = step(tx, grads, tx.init(params), params)
+  twin_updated = step(twin_tx, twin_grads, twin_tx.init(twin_params), twin_params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               _unstack(updated), twin_updated)
+  # Independently: each twin leaf moved by -0.1 * its clipped gradient.
+  def clipped(g):
+    norm = np.linalg.norm(np.asarray(g, np.float64).ravel())
+    return np.asarray(g, np.float64) * min(1.0, SCAN_MAX_NORM / norm)
+  if clip == "clip_by_norm":
+    expected = jax.tree.map(lambda p, g: np.asarray(p, np.float64) - 0.1 * clipped(g),
+                            twin_params, twin_grads)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 _unstack(updated), expected)
+
+
 # ------------------------------------------------------------ Flax TrainState
 
 def test_flax_train_state():
