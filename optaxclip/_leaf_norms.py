@@ -2,7 +2,9 @@
 
 A scanned model (``nn.scan``, ``nnx.scan``) stacks its layers along one
 axis of each parameter; ``layer_axis`` names it, as a tree prefix of the
-gradients (like ``specs``): an int, or None for leaves that stack nothing.
+gradients (like ``specs``): an int, or None for leaves that stack nothing;
+or a callable from the gradients to such a prefix (as ``groups``: handy
+where the gradients are an ``nnx.State``).
 A per-tensor quantity then becomes one per layer slice, the leaf keeping
 that axis in the one norm computation (``_norms``).
 
@@ -35,6 +37,8 @@ def layer_keep(fn: str, tree: PyTree, layer_axis: PyTree
   """
   if layer_axis is None:
     return None
+  if callable(layer_axis) and not isinstance(layer_axis, jax.Array):
+    layer_axis = layer_axis(tree)  # as groups: e.g. for an nnx.State
   leaf_axes = _tree.broadcast_prefix(
       fn, "layer_axis", layer_axis, tree, is_value=_validation.is_layer_axis,
       holds="ints (the axis that stacks layers) or None",

@@ -204,8 +204,8 @@ def _rescued_by_fixed_scale(grouped, p, acc, reduction, sums, floor, *,
   ``n * 2**-103``) far from overflow. Overflowed (or NaN) sums of squares
   are redone with ``2**-(maxexp/2 + 1)`` (2**-65), which keeps the square
   of the largest float finite. Others keep ``2**0``: the same terms,
-  summed again (in another order XLA may pick: an ulp or two apart). One pass, no maximum: the usual orders' rescue is a single
-  reduction.
+  summed again (in another order XLA may pick: an ulp or two apart). One
+  pass, no maximum: the usual orders' rescue is a single reduction.
   """
   info = jnp.finfo(acc)
   down, up = -(info.maxexp // 2 + 1), info.nmant - info.minexp // 2

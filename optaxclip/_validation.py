@@ -308,8 +308,11 @@ def is_layer_axis(x: Any) -> bool:
 
 
 def check_layer_axis(fn: str, layer_axis: Any) -> Any:
-  """``layer_axis``: None, an int, or a tree prefix with int or None
-  leaves; whether it fits the gradients is only known at ``update``."""
+  """``layer_axis``: None, an int, a tree prefix with int or None leaves,
+  or a callable returning one; whether it fits the gradients is only known
+  at ``update``."""
+  if callable(layer_axis) and not isinstance(layer_axis, jax.Array):
+    return layer_axis
   for axis in jax.tree.leaves(layer_axis, is_leaf=is_layer_axis):
     if isinstance(axis, (np.ndarray, jax.Array)):
       raise TypeError(

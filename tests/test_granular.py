@@ -289,6 +289,17 @@ def test_leaf_norms_off_by_default_compiles_the_same_program(make):
   assert lowered(off) == lowered(default)
 
 
+def test_layer_axis_may_be_a_callable_of_the_gradients():
+  grads = gradients()
+  as_callable = lambda tree: jax.tree.map(  # noqa: E731
+      lambda _: None, tree) | {"layers": {"attn": 0, "mlp": [0, -1]}}
+  for tx in (oc.clip_by_global_norm(1.0, leaf_norms=True,
+                                    layer_axis=as_callable),
+             oc.clip_by_norm(1.0, leaf_norms=True, layer_axis=as_callable)):
+    _, state = run(tx, grads)
+    assert_norm_tree(state.leaf_norms, expected_norm_tree(grads, 2, True))
+
+
 def test_layer_axis_without_leaf_norms_leaves_the_global_norm_alone():
   # clip_by_global_norm takes layer_axis for logging only.
   grads = gradients()
