@@ -31,7 +31,6 @@ from optaxclip import (
     _counters,
     _leaf_norms,
     _norms,
-    _sharding,
     _stats,
     _tree,
     _validation,
@@ -144,7 +143,7 @@ def _kept_axes(fn: str, updates: PyTree, axis: tuple[int, ...] | None,
             or ((),) * len(leaves))
   return tuple(unit_keep(fn, f"leaf {path}", shape, axis, layer)
                for (path, _), shape, layer in zip(
-                   leaves, _sharding.whole_shapes(fn, updates, specs), layers))
+                   leaves, _norms.whole_shapes(fn, updates, specs), layers))
 
 
 def unit_factors(g_norm: jax.Array, max_norm: jax.Array,

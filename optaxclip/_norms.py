@@ -44,6 +44,9 @@ from optaxclip import _exact, _tree, _validation
 from optaxclip._grouping import Group, Grouped, Keep
 from optaxclip._sharding import LOCAL, Reduction, make_reduction
 
+# Transforms reach the sharding module through the core.
+from optaxclip._sharding import whole_shapes as whole_shapes
+
 PyTree = Any
 
 # The vmap axis name per-example norms run under (``Reduction.batch_axis``).
