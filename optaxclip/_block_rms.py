@@ -83,41 +83,6 @@ def _block_rms_factors(norms: jax.Array, sizes: np.ndarray,
   return norms / roots, factors
 
 
-def _global_sizes(leaves: list[jax.Array],
-                  reduction: _norms.Reduction) -> np.ndarray:
-  """Each leaf's number of entries across the devices it is split over."""
-  return np.asarray([reduction.whole_count(i, math.prod(x.shape))
-                     for i, x in enumerate(leaves)], np.float64)
-
-
-def _leaf_rms(leaves: list[jax.Array], reduction: _norms.Reduction,
-              threshold: Any) -> tuple[jax.Array, jax.Array]:
-  """``(rms, factor)`` of every leaf, finite for finite leaves.
-
-  The norm of a leaf overflows float32 where its RMS need not (entries near
-  the largest float, ``n >= 2``). Only then (a ``lax.cond``) the norms are
-  taken again of the leaves times ``2**-k``, ``2**k >= sqrt(n)``, which
-  cannot overflow: the same formulas with ``n / 4**k`` entries (exact
-  powers of two) give the RMS and factor. An Inf entry keeps an Inf norm.
-  """
-  sizes = _global_sizes(leaves, reduction)
-  norms = _norms.leaf_norms(leaves, 2, reduction)
-  plain = _block_rms_factors(norms, sizes, threshold)
-  overflowed = jnp.isinf(norms)
-  if not leaves or not _norms.BUILD_RESCUE:
-    return plain
-
-  def rescued():
-    shifts = np.ceil(np.log2(np.where(sizes > 0, sizes, 1)) / 2)
-    scaled = [x * jnp.asarray(2.0 ** -k, x.dtype) for x, k in zip(leaves, shifts)]
-    rms, factors = _block_rms_factors(_norms.leaf_norms(scaled, 2, reduction),
-                                      sizes / 4.0 ** shifts, threshold)
-    return (jnp.where(overflowed, rms, plain[0]),
-            jnp.where(overflowed, factors, plain[1]))
-
-  return lax.cond(jnp.any(overflowed), rescued, lambda: plain)
-
-
 def _layer_sizes(leaves: list[jax.Array], keep: tuple[tuple[int, ...], ...],
                  reduction: _norms.Reduction) -> list[float]:
   """Each leaf's number of entries per layer slice, across the devices it
@@ -131,7 +96,14 @@ def _layer_rms(leaves: list[jax.Array], keep: tuple[tuple[int, ...], ...],
                reduction: _norms.Reduction, threshold: Any
                ) -> tuple[list[jax.Array], list[jax.Array]]:
   """``(rms, factor)`` per leaf, one per layer slice (``keep``: the layer
-  axis, or nothing), with ``_leaf_rms``'s rescue where a norm overflows."""
+  axis, or nothing), finite for finite leaves.
+
+  The norm of a slice overflows float32 where its RMS need not (entries
+  near the largest float, ``n >= 2``). Only then (a ``lax.cond``) the norms
+  are taken again of the leaves times ``2**-k``, ``2**k >= sqrt(n)``, which
+  cannot overflow: the same formulas with ``n / 4**k`` entries (exact
+  powers of two) give the RMS and factor. An Inf entry keeps an Inf norm.
+  """
   sizes = _layer_sizes(leaves, keep, reduction)
   norms = _norms.unit_norms(leaves, 2, reduction, keep)
   plain = [_block_rms_factors(n, np.asarray(size), threshold)
@@ -166,9 +138,7 @@ def _clip(fn: str, tree: PyTree, threshold, axis_name, specs,
   leaves = _tree.clippable_leaves(tree)
   keep = _leaf_norms.layer_keep(fn, tree, layer_axis)
   reduction = _norms.make_reduction(fn, tree, axis_name, specs, keep)
-  if keep is None:
-    rms, factors = _leaf_rms(leaves, reduction, threshold)
-    return _scaling.scale_leaves(tree, factors), rms, factors
+  keep = keep or ((),) * len(leaves)  # a leaf is one block
   rms_per_leaf, factors_per_leaf = _layer_rms(leaves, keep, reduction,
                                               threshold)
   clipped = _scaling.scale_leaves(tree, [
