@@ -15,7 +15,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from optaxclip import (
@@ -152,7 +151,8 @@ def adagc(*, lambda_abs: Scalar = 1.0, lambda_rel: Scalar = 1.05, beta: Scalar =
       with one all-reduce (see ``functional.global_norm``).
     specs: with ``axis_name``, the updates' ``PartitionSpec`` (a tree prefix, as
       ``shard_map``'s ``in_specs``): a leaf replicated on an axis counts once.
-      The layer axis may not be split.
+      A split layer axis is fine: each device clips its own layers and
+      keeps every layer's threshold (init with the whole parameters).
     layer_axis: for scanned (stacked) layers, the axis that stacks them (an
       int, or a tree prefix of the updates with int or None leaves): each
       layer's slice is a tensor of its own, with its own threshold and
@@ -208,15 +208,13 @@ def adagc(*, lambda_abs: Scalar = 1.0, lambda_rel: Scalar = 1.05, beta: Scalar =
     leaves = _tree.clippable_leaves(updates)
     keep = _leaf_norms.layer_keep(fn, updates, layer_axis)
     reduction = _norms.make_reduction(fn, updates, axis_name, specs, keep)
-    if reduction.split_kept_axes is not None:
-      raise ValueError(
-          f"`{fn}(layer_axis=...)` keeps one threshold per layer on every "
-          f"device, but specs split a layer axis over the mesh; replicate "
-          f"the layer axis in specs, or use sharded jit (GSPMD)")
-    counts = _tensor_counts(fn, updates, layer_axis)
-    if sum(counts) != state.gamma.shape[0]:
+    # Per leaf, its tensors here and (a layer axis split over the mesh) on
+    # all devices: every device keeps every layer's threshold.
+    counts = tuple(_tensor_counts(fn, updates, layer_axis))
+    total = sum(reduction.unit_counts(counts))
+    if total != state.gamma.shape[0]:
       what = (f"{len(leaves)} floating leaves" if keep is None else
-              f"{sum(counts)} (layer slices of {len(leaves)} floating leaves)")
+              f"{total} (layer slices of {len(leaves)} floating leaves)")
       raise ValueError(
           f"`{fn}`: the state has a threshold for {state.gamma.shape[0]} "
           f"tensors but the updates have {what}; call init with the "
@@ -226,7 +224,7 @@ def adagc(*, lambda_abs: Scalar = 1.0, lambda_rel: Scalar = 1.05, beta: Scalar =
       norms = _norms.leaf_norms(leaves, 2, reduction).astype(dtype)
     else:
       norms = jnp.concatenate(
-          [n.reshape(-1) for n in _norms.unit_norms(leaves, 2, reduction, keep)]
+          _norms.units(leaves, 2, reduction, keep).everywhere
           or [jnp.zeros([0])]).astype(dtype)
     # The global norm from the per-tensor norms: no second pass over the
     # updates, no second all-reduce, and the same overflow-safe norm.
@@ -259,11 +257,10 @@ def adagc(*, lambda_abs: Scalar = 1.0, lambda_rel: Scalar = 1.05, beta: Scalar =
         scale=jnp.min(factors, initial=1.0).astype(dtype),
         clipped_tensors=clipped,
         **_counters.step_counts(state, finite=finite, clipped=clipped > 0))
-    if keep is not None:  # one factor per slice, to broadcast on its leaf
-      starts = np.cumsum([0, *counts])
-      factors = [factors[int(a):int(b)].reshape(
-          [d if i in kept else 1 for i, d in enumerate(x.shape)])
-          for a, b, x, kept in zip(starts, starts[1:], leaves, keep)]
+    if keep is not None:  # one factor per slice here, to broadcast on its leaf
+      factors = [f.reshape([d if i in kept else 1 for i, d in enumerate(x.shape)])
+                 for f, x, kept in zip(reduction.local_parts(factors, counts),
+                                       leaves, keep)]
     return _scaling.scale_leaves(updates, factors), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 from optax._src import base as optax_base
 
 from optaxclip import (
@@ -160,34 +159,31 @@ def _clip(fn: str, updates: PyTree, params: PyTree, clipping: Any, eps: Any,
   weights = _paired_params(fn, updates, params)
   keep = _kept_axes(fn, updates, axis, layer_axis, specs)
   reduction = _norms.make_reduction(fn, updates, axis_name, specs, keep)
-  axis_names = reduction.axis_names
   grads = _tree.clippable_leaves(updates)
   if not grads:
     one, zero = jnp.ones([], jnp.float32), jnp.zeros([], jnp.float32)
     return updates, (zero, zero, one, jnp.bool_(True))
   # Gradients and parameters together: one all-reduce, one rescue check.
   both = grads + weights
-  norms = _norms.unit_norms(both, 2, reduction.repeated(2), keep * 2,
-                            keepdims=True)
-  grad_norms, param_norms = norms[:len(grads)], norms[len(grads):]
+  units = _norms.units(both, 2, reduction.repeated(2), keep * 2,
+                       keepdims=True)
   clipping = jnp.asarray(clipping, jnp.float32)
-  factors = []
-  for g, p in zip(grad_norms, param_norms):
-    limit = clipping * jnp.maximum(p, jnp.asarray(eps, p.dtype))
+
+  def factors_of(g, p):
     # optax: unclipped when g < limit, else limit / max(g, 1e-6).
-    factors.append(unit_factors(g, limit))
+    return unit_factors(g, clipping * jnp.maximum(p, jnp.asarray(eps, p.dtype)))
+
+  n = len(grads)
+  factors = [factors_of(g, p) for g, p in zip(units.here[:n], units.here[n:])]
   clipped = _tree.map_clippable_indexed(
       lambda x, i: (x * factors[i]).astype(x.dtype), updates)
-  # Statistics, each unit counted once across devices.
-  hits = jnp.stack([jnp.sum(f < 1, dtype=jnp.float32) for f in factors])
-  units = jnp.asarray([f.size for f in factors], jnp.float32)
-  clipped_units, all_units = jnp.sum(
-      reduction.counting().sum(jnp.stack([hits, units])), axis=1)
-  smallest = jnp.min(jnp.stack([jnp.min(f, initial=1.0) for f in factors]))
-  finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grad_norms]))
-  if axis_names:
-    smallest = -lax.pmax(-smallest, axis_names)
-    finite = lax.pmin(finite.astype(jnp.int32), axis_names) > 0
+  # Statistics over every device's units, each once: no second all-reduce.
+  everywhere = jnp.concatenate([factors_of(g, p) for g, p in zip(
+      units.everywhere[:n], units.everywhere[n:])])
+  clipped_units = jnp.sum(everywhere < 1, dtype=jnp.float32)
+  all_units = jnp.asarray(everywhere.size, jnp.float32)
+  smallest = jnp.min(everywhere, initial=1.0)
+  finite = jnp.all(jnp.isfinite(jnp.concatenate(units.everywhere[:n])))
   return clipped, (clipped_units, all_units, smallest, finite)
 
 

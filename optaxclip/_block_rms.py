@@ -67,6 +67,9 @@ _stats.register(BlockRMSState, "block_rms",
                 extras=lambda state: {"clip_rate": _counters.clip_rate(state)})
 
 
+Pair = tuple[jax.Array, jax.Array]  # (rms, factor)
+
+
 def _block_rms_factors(norms: jax.Array, sizes: np.ndarray,
                        threshold: Any) -> tuple[jax.Array, jax.Array]:
   """``(rms, factor)`` of blocks from their 2-norms and sizes, elementwise.
@@ -93,10 +96,12 @@ def _layer_sizes(leaves: list[jax.Array], keep: tuple[tuple[int, ...], ...],
 
 
 def _layer_rms(leaves: list[jax.Array], keep: tuple[tuple[int, ...], ...],
-               reduction: _norms.Reduction, threshold: Any
-               ) -> tuple[list[jax.Array], list[jax.Array]]:
+                reduction: _norms.Reduction, threshold: Any
+                ) -> tuple[list[Pair], list[Pair]]:
   """``(rms, factor)`` per leaf, one per layer slice (``keep``: the layer
-  axis, or nothing), finite for finite leaves.
+  axis, or nothing), finite for finite leaves: of this device's slices
+  (shaped as the kept axes), and of every device's (vectors, for the
+  statistics: no second all-reduce).
 
   The norm of a slice overflows float32 where its RMS need not (entries
   near the largest float, ``n >= 2``). Only then (a ``lax.cond``) the norms
@@ -105,55 +110,49 @@ def _layer_rms(leaves: list[jax.Array], keep: tuple[tuple[int, ...], ...],
   powers of two) give the RMS and factor. An Inf entry keeps an Inf norm.
   """
   sizes = _layer_sizes(leaves, keep, reduction)
-  norms = _norms.unit_norms(leaves, 2, reduction, keep)
-  plain = [_block_rms_factors(n, np.asarray(size), threshold)
-           for n, size in zip(norms, sizes)]
-  if not leaves or not _norms.BUILD_RESCUE:
-    return [r for r, _ in plain], [f for _, f in plain]
-  overflowed = jnp.any(jnp.stack([jnp.any(jnp.isinf(n)) for n in norms]))
-  if reduction.split_kept_axes is not None:  # devices hold different layers
-    overflowed = lax.pmax(overflowed.astype(jnp.int32),
-                          reduction.axis_names) > 0
 
-  def rescued():
-    shifts = [math.ceil(math.log2(max(size, 1)) / 2) for size in sizes]
-    scaled = [x * jnp.asarray(2.0 ** -k, x.dtype) for x, k in zip(leaves, shifts)]
-    again = _norms.unit_norms(scaled, 2, reduction, keep)
-    out = []
-    for n, m, size, k, (rms, factors) in zip(norms, again, sizes, shifts, plain):
-      big = jnp.isinf(n)
-      more = _block_rms_factors(m, np.asarray(size / 4.0 ** k), threshold)
-      out.append((jnp.where(big, more[0], rms), jnp.where(big, more[1], factors)))
-    return out
+  def rms_and_factors(units: _norms.Units, shrink: list[float]) -> list[Pair]:
+    return [_block_rms_factors(n, np.asarray(size / k), threshold)
+            for n, size, k in zip(units.here + units.everywhere, sizes * 2,
+                                  shrink * 2)]
 
-  pairs = lax.cond(overflowed, rescued, lambda: plain)
-  return [r for r, _ in pairs], [f for _, f in pairs]
+  units = _norms.units(leaves, 2, reduction, keep)
+  plain = rms_and_factors(units, [1.0] * len(leaves))
+  if leaves and _norms.BUILD_RESCUE:
+    norms = units.here + units.everywhere
+    overflowed = jnp.any(jnp.isinf(jnp.concatenate(units.everywhere)))
+
+    def rescued():
+      shifts = [math.ceil(math.log2(max(size, 1)) / 2) for size in sizes]
+      scaled = [x * jnp.asarray(2.0 ** -k, x.dtype)
+                for x, k in zip(leaves, shifts)]
+      again = rms_and_factors(_norms.units(scaled, 2, reduction, keep),
+                              [4.0 ** k for k in shifts])
+      return [tuple(jnp.where(jnp.isinf(n), new, old)
+                    for new, old in zip(more, same))
+              for n, more, same in zip(norms, again, plain)]
+
+    plain = lax.cond(overflowed, rescued, lambda: plain)
+  return plain[:len(leaves)], plain[len(leaves):]
 
 
 def _clip(fn: str, tree: PyTree, threshold, axis_name, specs,
           layer_axis: PyTree = None) -> tuple[PyTree, jax.Array, jax.Array]:
   """The clipped tree, and the RMS and factor of every clippable leaf (or
-  layer slice), as vectors."""
+  layer slice, on every device), as vectors."""
   _validation.check_tree(fn, "the tree", tree)
   leaves = _tree.clippable_leaves(tree)
   keep = _leaf_norms.layer_keep(fn, tree, layer_axis)
   reduction = _norms.make_reduction(fn, tree, axis_name, specs, keep)
   keep = keep or ((),) * len(leaves)  # a leaf is one block
-  rms_per_leaf, factors_per_leaf = _layer_rms(leaves, keep, reduction,
-                                              threshold)
+  here, everywhere = _layer_rms(leaves, keep, reduction, threshold)
   clipped = _scaling.scale_leaves(tree, [
       f.reshape([d if a in kept else 1 for a, d in enumerate(x.shape)])
-      for f, x, kept in zip(factors_per_leaf, leaves, keep)])
+      for (_, f), x, kept in zip(here, leaves, keep)])
   flat = lambda arrays: jnp.concatenate(  # noqa: E731
       [a.reshape(-1) for a in arrays] or [jnp.zeros([0])])
-  rms, factors = flat(rms_per_leaf), flat(factors_per_leaf)
-  if reduction.split_kept_axes is not None:  # each device holds some layers
-    # The largest RMS and the smallest factor over all devices: one pmax.
-    both = lax.pmax(jnp.stack([jnp.max(rms, initial=0),
-                               -jnp.min(factors, initial=1)]),
-                    reduction.axis_names)
-    rms, factors = both[:1], -both[1:]
-  return clipped, rms, factors
+  return (clipped, flat([r for r, _ in everywhere]),
+          flat([f for _, f in everywhere]))
 
 
 def clip_by_block_rms_fn(tree: PyTree, threshold: Scalar, *,

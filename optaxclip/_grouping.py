@@ -186,16 +186,12 @@ class Grouped:
       vector = _take(vector, np.argsort(order))
     return vector
 
-  def split(self, per_unit: jax.Array, leaves: Sequence[jax.Array], *,
-            keepdims: bool) -> list[jax.Array]:
-    """A vector in unit order as one array per leaf: of its kept axes'
-    shape, or with ``keepdims`` of the leaf's rank (reduced axes of size
-    1), to broadcast against it."""
-    offsets = np.cumsum((0,) + self.sizes)
-    shapes = self.kept_shapes
-    if keepdims:
-      shapes = [tuple(d if a in kept else 1 for a, d in enumerate(x.shape))
-                for x, kept in zip(leaves, self.keep)]
-    return [lax.slice_in_dim(per_unit, int(start), int(start) + size)
-            .reshape(shape)
-            for start, size, shape in zip(offsets, self.sizes, shapes)]
+  def unit_shapes(self, leaves: Sequence[jax.Array], *, keepdims: bool
+                  ) -> list[tuple[int, ...]]:
+    """Per leaf, the shape of its units: of its kept axes, or with
+    ``keepdims`` of the leaf's rank (reduced axes of size 1), to broadcast
+    against it."""
+    if not keepdims:
+      return list(self.kept_shapes)
+    return [tuple(d if a in kept else 1 for a, d in enumerate(x.shape))
+            for x, kept in zip(leaves, self.keep)]

@@ -90,16 +90,12 @@ def measure(fn: str, updates: PyTree, p: Any, axis_name: Any, specs: PyTree,
     return _norms.norm_of_leaves(leaves, p, reduction), None
   keep = layer_keep(fn, updates, layer_axis) or ((),) * len(leaves)
   reduction = _norms.make_reduction(fn, updates, axis_name, specs, keep)
-  per_leaf = _norms.unit_norms(leaves, p, reduction, keep)
-  if reduction.split_kept_axes is None:
-    # The norm of the leaf norms: their partial sums, read once.
-    units = [n.reshape(-1) for n in per_leaf]
-    norm = _norms.norm_of_leaves(
-        [jnp.concatenate(units)] if units else [], p)
-  else:  # layers split across devices: each holds different ones
-    norm = _norms.norm_of_leaves(
-        leaves, p, _norms.make_reduction(fn, updates, axis_name, specs))
-  return norm, norm_tree(updates, per_leaf)
+  units = _norms.units(leaves, p, reduction, keep)
+  # The norm of the leaf norms (of all devices' units): their partial sums,
+  # read once.
+  norm = _norms.norm_of_leaves(
+      [jnp.concatenate(units.everywhere)] if leaves else [], p)
+  return norm, norm_tree(updates, units.here)
 
 
 def _key_name(key: Any) -> str:

@@ -19,7 +19,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from optaxclip import (
   _counters,
@@ -145,19 +144,17 @@ def _clip_each(fn: str, tree: PyTree, max_norm, p, eps, axis_name, specs, *,
     clipped = _scaling.scale_leaves(tree, factors)
     per_leaf = list(norms) if leaf_norms else None
   else:
-    per_leaf = _norms.unit_norms(leaves, p, reduction, keep)
+    units = _norms.units(leaves, p, reduction, keep)
+    per_leaf = units.here
     # One factor per layer, shaped to broadcast against its leaf.
     clipped = _scaling.scale_leaves(tree, [
         _scaling.clip_factor(n, max_norm, eps).reshape(
             [d if a in kept else 1 for a, d in enumerate(x.shape)])
         for n, x, kept in zip(per_leaf, leaves, keep)])
-    norms = jnp.concatenate([n.reshape(-1) for n in per_leaf] or [
-        jnp.zeros([0])])
+    # Every device's layers: the statistics need no second all-reduce.
+    norms = jnp.concatenate(units.everywhere or [jnp.zeros([0])])
     factors = _scaling.clip_factor(norms, max_norm, eps)
   norm, factor = jnp.max(norms, initial=0), jnp.min(factors, initial=1)
-  if reduction.split_kept_axes is not None:  # each device holds some layers
-    norm = lax.pmax(norm, reduction.axis_names)
-    factor = -lax.pmax(-factor, reduction.axis_names)
   return _Clipped(clipped, norm, factor, None if per_leaf is None or not
                   leaf_norms else _leaf_norms.norm_tree(tree, per_leaf))
 
@@ -388,12 +385,10 @@ def _group_clipper(fn: str, max_norm, p, eps, axis_name, specs, nonfinite,
     keep = (_leaf_norms.layer_keep(fn, updates, layer_axis)
             or ((),) * len(leaves))
     reduction = _norms.make_reduction(fn, updates, axis_name, specs, keep)
-    if reduction.split_kept_axes is not None:
-      raise ValueError(
-          f"`{fn}(groups=...)` needs each layer on every device of its "
-          f"group: specs split the layer axis; drop groups or layer_axis")
-    per_leaf = _norms.unit_norms(leaves, p, reduction, keep)
-    norms = _groups.group_norms(labels, per_leaf, p)
+    units = _norms.units(leaves, p, reduction, keep)
+    per_leaf = units.here
+    # From every device's layers: the same group norms on each device.
+    norms = _groups.group_norms(labels, units.everywhere, p)
     factors = {label: _scaling.clip_factor(
         norm, _groups.limit_of(fn, max_norm, label), eps)
                for label, norm in norms.items()}

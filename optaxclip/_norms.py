@@ -33,10 +33,11 @@ of an overflowed plain sum in the branch not taken.
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
@@ -215,10 +216,11 @@ def _rescued_by_fixed_scale(grouped, p, acc, reduction, sums, floor, *,
   squares = _is_order(p, 2)
   overflow = ~(sums < jnp.inf) if squares else jnp.zeros_like(sums, bool)
   underflow = (sums < floor) & ~overflow
+  here = _here(reduction, grouped)
   scale = _exact.Scale(
-      (jnp.where(overflow, 2.0 ** down,
-                 jnp.where(underflow, 2.0 ** up, 1)).astype(acc),),
-      jnp.where(underflow, 2.0 ** (up + info.minexp - info.nmant),
+      (jnp.where(here(overflow), 2.0 ** down,
+                 jnp.where(here(underflow), 2.0 ** up, 1)).astype(acc),),
+      jnp.where(here(underflow), 2.0 ** (up + info.minexp - info.nmant),
                 0).astype(acc))
 
   def redo(x, group):
@@ -247,20 +249,22 @@ def _rescued_roots(grouped, p, acc, reduction, sums, floor, *,
   stands (their NaN or Inf, or 0).
   """
   usable, exponents, _ = _exact_maxima(grouped, acc, reduction, total=total)
-  scale = _exact.Scale.by(-exponents, acc)
+  here = _here(reduction, grouped)
+  scale = _exact.Scale.by(-here(exponents), acc)
 
   def scaled(x, group):
     return scale.pick(group.pick).magnitude(x, acc)
 
-  divisor = None
+  divisor = divisor_here = None
   if isinstance(p, jax.Array) or p > _SCALED_ORDER_LIMIT:
     peaks = _reduce(grouped, scaled, reduction, maximum=True, total=total)
     divisor = jnp.where(usable & (p > _SCALED_ORDER_LIMIT), peaks, 1)
+    divisor_here = here(divisor)
 
   def power(x, group):
     y = scaled(x, group)
-    if divisor is not None:
-      y = y / group.pick(divisor)
+    if divisor_here is not None:
+      y = y / group.pick(divisor_here)
     return _pow(y, p)
 
   roots = safe_root(_reduce(grouped, power, reduction, maximum=False,
@@ -311,6 +315,13 @@ def _by_order(norm_fn) -> Callable[..., jax.Array]:
 def _grouped(leaves, keep, reduction: Reduction, *, total: bool) -> Grouped:
   return Grouped(leaves, None if total else keep,
                  merge=total and reduction.replicated_axes is None)
+
+
+def _here(reduction: Reduction, grouped: Grouped
+          ) -> Callable[[jax.Array], jax.Array]:
+  """Reads this device's units out of a vector of every device's (see
+  ``Reduction.local``), for ``Group.pick``."""
+  return functools.partial(reduction.local, sizes=grouped.sizes)
 
 
 def _norms_of(leaves, p, acc, reduction: Reduction, *, keep,
@@ -383,7 +394,8 @@ def _norm_tangents(leaves, dots, norms, p, acc, reduction: Reduction, *,
   """
   grouped = _grouped(leaves, keep, reduction, total=total)
   pairs = grouped.zip(dots)
-  bits = _exact.bits(norms)
+  mine = _here(reduction, grouped)(norms)  # the norms of these leaves' units
+  bits = _exact.bits(mine)
   usable = (bits > 0) & (bits < _exact.bits(jnp.asarray(jnp.inf, acc)))
 
   if _is_order(p, math.inf):
@@ -399,10 +411,10 @@ def _norm_tangents(leaves, dots, norms, p, acc, reduction: Reduction, *,
       return jnp.where(peak(x, group), group.pick(share), 0)
   else:
     scale = _exact.Scale.by(-jnp.where(usable, _exact.exponent_of_bits(bits, acc), 0), acc)
-    mantissa = jnp.where(usable, scale.apply(jnp.where(usable, norms, 0)), 1)
+    mantissa = jnp.where(usable, scale.apply(jnp.where(usable, mine, 0)), 1)
     # |x| / norm: 0 for an infinite norm (an overflow of finite |x|), NaN
     # for a NaN one.
-    otherwise = jnp.where(jnp.isnan(norms), norms, 0)
+    otherwise = jnp.where(jnp.isnan(mine), mine, 0)
 
     def ratios(x, group):
       ratio = (scale.pick(group.pick).magnitude(x, acc)
@@ -448,7 +460,6 @@ def _p_norms(leaves, p, reduction: Reduction, *, keep: tuple[Keep, ...] | None,
   order is an argument of its own (a custom derivative may not close over
   a traced value), with its derivative too.
   """
-  assert reduction.split_kept_axes is None, "see unit_norms"
   leaves = [jnp.asarray(x) for x in leaves]
   acc = _tree.accumulation_dtype(leaves)
   if not leaves:
@@ -499,29 +510,44 @@ def norm_of_leaves(leaves, p, reduction, keep):
 def leaf_norms(leaves, p, reduction, keep):
   """The ``p``-norm of each leaf, as a vector in the accumulation dtype;
   with ``keep`` (per leaf, the axes it keeps), of each unit, as a vector in
-  unit order (``unit_norms`` splits it per leaf)."""
+  unit order (``units`` splits it per leaf), holding every device's units
+  where a kept axis is sharded (``Reduction.local``)."""
   return _p_norms(leaves, p, reduction, keep=keep, total=False)
+
+
+class Units(NamedTuple):
+  """Per-unit norms of some leaves (see ``units``)."""
+  here: list[jax.Array]  # per leaf, this device's units, shaped as its kept axes
+  everywhere: list[jax.Array]  # per leaf, every device's units (each once), a vector
+
+
+def units(leaves: list[jax.Array], p: Any, reduction: Reduction,
+          keep: tuple[Keep, ...], *, keepdims: bool = False) -> Units:
+  """The ``p``-norm of each unit, from one computation and one all-reduce.
+
+  ``here``: per leaf, an array of its kept axes' shape (with ``keepdims``,
+  of its rank, to broadcast against it). ``everywhere``: per leaf, the
+  norms of its units on all devices, each once, the same on every device
+  (where no kept axis is sharded, ``here`` flattened): statistics over all
+  units need no second all-reduce.
+  """
+  grouped = Grouped(leaves, keep, plan=[])
+  combined = leaf_norms(leaves, p, reduction, keep)
+  counts = reduction.unit_counts(grouped.sizes)
+  starts = np.cumsum((0,) + counts)
+  everywhere = [lax.slice_in_dim(combined, int(start), int(start) + count)
+                for start, count in zip(starts, counts)]
+  here = [part.reshape(shape) for part, shape in zip(
+      reduction.local_parts(combined, grouped.sizes),
+      grouped.unit_shapes(leaves, keepdims=keepdims))]
+  return Units(here, everywhere)
 
 
 def unit_norms(leaves: list[jax.Array], p: Any, reduction: Reduction,
                keep: tuple[Keep, ...], *, keepdims: bool = False
                ) -> list[jax.Array]:
-  """The ``p``-norm of each unit: per leaf, an array of its kept axes'
-  shape (with ``keepdims``, of its rank, to broadcast against it).
-
-  One computation and one all-reduce for all leaves, unless some leaves'
-  kept axes are sharded (``Reduction.partitions``).
-  """
-  out: list[Any] = [None] * len(leaves)
-  for rows, part in reduction.partitions(len(leaves)):
-    members = [leaves[i] for i in rows]
-    kept = tuple(keep[i] for i in rows)
-    per_unit = leaf_norms(members, p, part, kept)
-    split = Grouped(members, kept, plan=[]).split(per_unit, members,
-                                                  keepdims=keepdims)
-    for i, norms in zip(rows, split):
-      out[i] = norms
-  return out
+  """``units(...).here``: per leaf, the norms of this device's units."""
+  return units(leaves, p, reduction, keep, keepdims=keepdims).here
 
 
 def global_norm(tree: PyTree, ord: float | str = 2, *, axis_name: Any = None,

@@ -6,7 +6,11 @@ axes. ``specs`` (the PartitionSpecs given to ``shard_map``) say which leaves
 are split on which axes: a leaf replicated on an axis holds the same values
 on each device of that axis and must be counted once, and a unit whose kept
 axis (a layer, an AGC output unit) is split over an axis is a different unit
-on each device of it and must not be summed over that axis.
+on each device of it and must not be summed over that axis: each device
+writes its units at its own place in a vector of every device's units
+(zeros elsewhere), so one ``psum`` over all axes still combines everything,
+and every device ends with every unit's norm (``Reduction.local`` reads its
+own back).
 """
 
 import math
@@ -28,37 +32,34 @@ class Reduction(NamedTuple):
 
   Every leaf's partials are summed over all of ``axis_names`` with one
   ``psum``; only the device at index 0 of each axis a leaf is replicated on
-  contributes, so the leaf is counted once. Hashable, so compiled norms are
-  cached per reduction.
+  contributes, so the leaf is counted once. Units a device holds alone (a
+  kept axis split over the mesh) travel at their own place in a vector of
+  all devices' units: the combined vector is the same on every device, each
+  unit in it once. Hashable, so compiled norms are cached per reduction.
 
   Attributes:
     axis_names: the mesh axes to combine over (empty: one device).
     replicated_axes: per leaf, the axes it is replicated on; None: every
       leaf is split on every axis.
     split_kept_axes: per leaf, the axes that split its kept axes (a sharded
-      layer or AGC unit axis: a different unit on each device of them), or
-      None where no leaf has such axes. See ``partitions``.
+      layer or AGC unit axis: a different unit on each device of them), in
+      the order they split them, or None where no leaf has such axes.
     batch_axis: the ``vmap`` axis of per-example norms, if any.
-    agree_axes: the axes all devices of which must take the rescue branch
-      together, where they hold different units (see ``partitions``).
   """
   axis_names: tuple[Any, ...]
   replicated_axes: tuple[tuple[Any, ...], ...] | None = None
   split_kept_axes: tuple[tuple[Any, ...], ...] | None = None
   batch_axis: Any = None
-  agree_axes: tuple[Any, ...] = ()
 
   def decide(self, needed: jax.Array) -> jax.Array:
-    """Whether any norm needs the rescue: one answer for all devices and
-    the whole batch, so that every device and example takes one branch.
+    """Whether any norm needs the rescue: one answer for the whole batch,
+    so that every example takes one branch (``needed`` is the same on
+    every device already: it is read from combined sums).
 
     Under ``vmap`` a per-example answer would make ``lax.cond`` a select
-    that runs the rescue for every example. Units summed over all devices
-    agree already; units that differ per device ask ``agree_axes``.
+    that runs the rescue for every example.
     """
     needed = jnp.any(needed)
-    if self.agree_axes:
-      needed = lax.pmax(needed.astype(jnp.int32), self.agree_axes) > 0
     if self.batch_axis is None:
       return needed
     return lax.pmax(needed.astype(jnp.int32), self.batch_axis) > 0
@@ -66,7 +67,8 @@ class Reduction(NamedTuple):
   def sum(self, partials: jax.Array, sizes: tuple[int, ...] = ()
           ) -> jax.Array:
     """The sums over devices of ``partials``: a scalar, or a vector of
-    ``sizes[i]`` units for leaf ``i``."""
+    ``sizes[i]`` units for leaf ``i`` (of every device's units, for a leaf
+    whose kept axes are split: see ``local``)."""
     if not self.axis_names:
       return partials
     if self.replicated_axes is not None:
@@ -74,13 +76,61 @@ class Reduction(NamedTuple):
       if sizes and any(size != 1 for size in sizes):
         first = first[np.repeat(np.arange(len(sizes)), sizes)]
       partials = partials * first.astype(partials.dtype)
-    return lax.psum(partials, self.axis_names)
+    return lax.psum(self._spread(partials, sizes, 0), self.axis_names)
 
   def max(self, partials: jax.Array, sizes: tuple[int, ...] = ()
           ) -> jax.Array:
     # Replicated leaves need no mask: max ignores repeated values.
-    del sizes
-    return lax.pmax(partials, self.axis_names) if self.axis_names else partials
+    if not self.axis_names:
+      return partials
+    return lax.pmax(self._spread(partials, sizes, -jnp.inf), self.axis_names)
+
+  def unit_counts(self, sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """Per leaf, its units over all devices (``sizes``: on this one)."""
+    if self.split_kept_axes is None:
+      return tuple(sizes)
+    return tuple(size * _devices(axes)
+                 for size, axes in zip(sizes, self.split_kept_axes))
+
+  def local(self, combined: jax.Array, sizes: tuple[int, ...]) -> jax.Array:
+    """This device's units (``sizes[i]`` of leaf ``i``) out of a vector of
+    every device's (as ``sum`` returns); a scalar stays as it is."""
+    if self.split_kept_axes is None or combined.ndim == 0:
+      return combined
+    return jnp.concatenate(self.local_parts(combined, sizes))
+
+  def local_parts(self, combined: jax.Array, sizes: tuple[int, ...]
+                  ) -> list[jax.Array]:
+    """``local``, per leaf: a leaf whose units all devices share stays the
+    same on every device (``shard_map`` checks that)."""
+    split = self.split_kept_axes or ((),) * len(sizes)
+    parts, start = [], 0
+    for size, axes in zip(sizes, split):
+      if axes:
+        parts.append(lax.dynamic_slice_in_dim(
+            combined, start + _position(axes) * size, size))
+      else:
+        parts.append(lax.slice_in_dim(combined, start, start + size))
+      start += size * _devices(axes)
+    return parts
+
+  def _spread(self, partials: jax.Array, sizes: tuple[int, ...],
+              fill: float) -> jax.Array:
+    """``partials`` with each split leaf's units at this device's place
+    among every device's units of it, ``fill`` elsewhere."""
+    if self.split_kept_axes is None:
+      return partials
+    assert sizes, "split kept axes give units"
+    pieces, start = [], 0
+    for size, axes in zip(sizes, self.split_kept_axes):
+      block = lax.slice_in_dim(partials, start, start + size)
+      start += size
+      if axes:
+        mine = jnp.arange(_devices(axes)) == _position(axes)
+        block = jnp.where(mine[:, None], block[None, :],
+                          jnp.asarray(fill, block.dtype)).reshape(-1)
+      pieces.append(block)
+    return jnp.concatenate(pieces)
 
   def whole_count(self, leaf: int, local: int, *, kept: bool = False) -> int:
     """``local``, a count of leaf ``leaf``'s entries on this device, over
@@ -98,29 +148,6 @@ class Reduction(NamedTuple):
   def device_count(self) -> int:
     return lax.psum(1, self.axis_names) if self.axis_names else 1
 
-  def partitions(self, count: int) -> list[tuple[list[int], "Reduction"]]:
-    """The ``count`` leaves as sets summed over the same axes, each with
-    the reduction for it.
-
-    A leaf whose kept axes are split over some mesh axes holds different
-    units on the devices of those axes: it is summed over the others only.
-    Each set keeps its own result (a vector mixing sets would vary over
-    every axis, and ``shard_map``'s replication check would reject it);
-    the rescue is decided over all axes together.
-    """
-    if self.split_kept_axes is None:
-      return [(list(range(count)), self)]
-    by_axes: dict[tuple[Any, ...], list[int]] = {}
-    for i, split in enumerate(self.split_kept_axes):
-      summed = tuple(a for a in self.axis_names if a not in split)
-      by_axes.setdefault(summed, []).append(i)
-    replicated = self.replicated_axes or ((),) * count
-    return [(rows, Reduction(
-        summed, tuple(tuple(a for a in replicated[i] if a in summed)
-                      for i in rows),
-        batch_axis=self.batch_axis, agree_axes=self.axis_names))
-            for summed, rows in by_axes.items()]
-
   def repeated(self, times: int) -> "Reduction":
     """The reduction for these leaves listed ``times`` over (AGC reduces
     gradients and parameters together)."""
@@ -128,15 +155,6 @@ class Reduction(NamedTuple):
       return None if per_leaf is None else per_leaf * times
     return self._replace(replicated_axes=repeat(self.replicated_axes),
                          split_kept_axes=repeat(self.split_kept_axes))
-
-  def counting(self) -> "Reduction":
-    """The reduction that counts each unit once: summed over the axes
-    that split it into different units, once over all the others."""
-    if self.replicated_axes is None:
-      return self
-    kept = self.split_kept_axes or ((),) * len(self.replicated_axes)
-    return Reduction(self.axis_names, tuple(
-        tuple(a for a in self.axis_names if a not in split) for split in kept))
 
   def _first_copy(self) -> jax.Array:
     """Per leaf, whether this device holds the copy that counts."""
@@ -150,16 +168,34 @@ class Reduction(NamedTuple):
     return jnp.stack(masks)
 
 
+def _devices(axes: tuple[Any, ...]) -> int:
+  return math.prod(lax.axis_size(axis) for axis in axes)
+
+
+def _position(axes: tuple[Any, ...]) -> jax.Array:
+  """This device's index along ``axes`` taken together, the first major
+  (the order in which a PartitionSpec entry splits an axis)."""
+  position = jnp.int32(0)
+  for axis in axes:
+    position = position * lax.axis_size(axis) + lax.axis_index(axis)
+  return position
+
+
 LOCAL = Reduction(())
 
 
 def _spec_axes(entry: Any) -> set[Any]:
   """The mesh axes one PartitionSpec entry (or a whole spec) names."""
-  if entry is None:
-    return set()
   if isinstance(entry, jax.sharding.PartitionSpec):
     return set().union(*map(_spec_axes, entry)) if len(entry) else set()
-  return set(entry if isinstance(entry, tuple) else (entry,))
+  return set(_entry_axes(entry))
+
+
+def _entry_axes(entry: Any) -> tuple[Any, ...]:
+  """The mesh axes one PartitionSpec entry names, in its order."""
+  if entry is None:
+    return ()
+  return entry if isinstance(entry, tuple) else (entry,)
 
 
 def _is_spec(x: Any) -> bool:
@@ -216,9 +252,9 @@ def make_reduction(fn: str, tree: PyTree, axis_name: Any, specs: PyTree,
           f"mesh axes {sorted(map(str, split - set(axis_names)))} that are not "
           f"in axis_name={axis_name!r}: its norm would differ per device. Add "
           f"them to axis_name")
-    kept = set() if keep is None else set().union(
-        *(_spec_axes(spec[d]) for d in keep[i] if d < len(spec)))
+    kept = [] if keep is None else [
+        a for d in keep[i] if d < len(spec) for a in _entry_axes(spec[d])]
     replicated.append(tuple(a for a in axis_names if a not in split))
-    split_kept.append(tuple(a for a in axis_names if a in kept))
+    split_kept.append(tuple(kept))
   return Reduction(axis_names, tuple(replicated),
                    tuple(split_kept) if any(split_kept) else None)

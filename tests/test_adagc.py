@@ -308,16 +308,27 @@ def test_layer_axis_under_shard_map_equals_unsharded():
     expected, local_state = jax.jit(local.update)(tree, local_state)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5),
                  (out, state), (expected, local_state))
-  split_specs = {"b": P(), "w": P("data")}
-  split = adagc(layer_axis=0, axis_name="data", specs=split_specs)
-  mesh = jax.make_mesh((2,), ("data",))
-  tree = {"b": steps[0]["b"], "w": np.ones((4, 8, 4), np.float32)}
-  sharded = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
-                         tree, split_specs)
-  with pytest.raises(ValueError, match=r"`adagc\(layer_axis=\.\.\.\)` keeps one "
-                     r"threshold per layer on every device"):
-    jax.jit(shard_map(split.update, mesh=mesh, in_specs=(split_specs, P()),
-                      out_specs=(split_specs, P())))(sharded, split.init(tree))
+  # The layer axis split over the mesh: each device clips its own layers,
+  # and every device keeps every layer's threshold (one all-reduce).
+  split_specs = {"b": P(), "w": P("data", None, "model")}
+  split = adagc(warmup_steps=3, layer_axis=0, axis_name=("data", "model"),
+                specs=split_specs)
+  step = jax.jit(shard_map(split.update, mesh=mesh, in_specs=(split_specs, P()),
+                           out_specs=(split_specs, P())))
+  # Four layers (two per "data" device): layer 1 spikes, layer 3 is quiet.
+  steps = [{**t, "w": np.concatenate([t["w"], 0.1 * t["w"][:1]])} for t in steps]
+  state, local_state = split.init(steps[0]), local.init(steps[0])
+  for tree in steps:
+    sharded = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
+                           tree, split_specs)
+    out, state = step(sharded, state)
+    expected, local_state = jax.jit(local.update)(tree, local_state)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5),
+                 (out, state), (expected, local_state))
+  assert int(local_state.clipped_tensors) > 0  # some layers were clipped
+  from test_distributed import hlo_ops
+  main, _ = hlo_ops(step.lower(sharded, state).compile().as_text(), "all-reduce")
+  assert main == 1, "one all-reduce on the main path (the rescue has its own)"
 
 
 def test_layer_axis_with_inject_hyperparams_as_a_static_arg():

@@ -658,24 +658,48 @@ def hlo_all_reduces(tx, host):
   return hlo_ops(jax.jit(f).lower(tree).compile().as_text(), "all-reduce")
 
 
-@pytest.mark.parametrize("name", ["leaf_norms", "clip_by_norm", "groups"])
-def test_one_all_reduce_without_split_layer_axes(name):
-  dist = dict(axis_name=AXES, specs=SM_SPECS)
-  tx = {"leaf_norms": oc.clip_by_global_norm(1.0, leaf_norms=True,
-                                             layer_axis=SM_UNSPLIT, **dist),
-        "clip_by_norm": oc.clip_by_norm(1.0, leaf_norms=True, layer_axis=SM_UNSPLIT,
-                                        **dist),
-        "groups": oc.clip_by_global_norm(1.0, groups=SM_LABELS, leaf_norms=True,
-                                         layer_axis=SM_UNSPLIT, **dist)}[name]
+@pytest.mark.parametrize("layer_axis", ["unsplit", "split"])
+@pytest.mark.parametrize("name", ["leaf_norms", "clip_by_norm", "groups", "block_rms",
+                                  "agc"])
+def test_one_all_reduce_with_or_without_split_layer_axes(name, layer_axis):
+  # A layer axis split over the mesh too: each device writes its layers at
+  # their place among all devices' layers, so one all-reduce still does.
+  axes = {"unsplit": SM_UNSPLIT, "split": SM_LAYER_AXIS}[layer_axis]
+  dist = dict(axis_name=AXES, specs=SM_SPECS, layer_axis=axes)
+  tx = {"leaf_norms": lambda: oc.clip_by_global_norm(1.0, leaf_norms=True, **dist),
+        "clip_by_norm": lambda: oc.clip_by_norm(1.0, leaf_norms=True, **dist),
+        "groups": lambda: oc.clip_by_global_norm(1.0, groups=SM_LABELS, leaf_norms=True,
+                                                 **dist),
+        "block_rms": lambda: oc.clip_by_block_rms(0.1, **dist),
+        "agc": lambda: with_params(oc.adaptive_grad_clip(0.01, **dist))}[name]()
   main, _ = hlo_all_reduces(tx, sm_host())
   assert main == 1, f"{name}: {main} all-reduces on the main path"
 
 
-def test_groups_refuse_a_split_layer_axis():
-  tx = oc.clip_by_global_norm(1.0, groups=SM_LABELS, layer_axis=SM_LAYER_AXIS,
-                              axis_name=AXES, specs=SM_SPECS)
-  with pytest.raises(ValueError, match=r"groups=.*split the layer axis"):
-    hlo_all_reduces(tx, sm_host())
+def with_params(tx):
+  """``tx`` with the gradients as its params too (AGC needs params)."""
+  return optax.GradientTransformation(
+      tx.init, lambda updates, state, params=None: tx.update(updates, state, updates))
+
+
+def test_groups_with_a_split_layer_axis_equal_the_unsharded():
+  host = sm_host(seed=15)
+  labels = {**SM_LABELS, "kernel": "b"}  # the split kernel shares a group
+  make = lambda **kw: oc.clip_by_global_norm(  # noqa: E731
+      {"a": 1.0, "b": 2.0}, groups=labels, leaf_norms=True, layer_axis=SM_LAYER_AXIS,
+      **kw)
+  want = sm_step({"groups": make()}, jax.tree.map(jnp.asarray, host))
+  tx = make(axis_name=AXES, specs=SM_SPECS)
+  mesh = make_mesh((2, 4), AXES)
+  specs = state_specs("global", jax.tree.map(lambda _: P(), want["groups"][1]))
+  step = jax.jit(shard_map(functools.partial(sm_step, {"groups": tx}), mesh=mesh,
+                           in_specs=(SM_SPECS,), out_specs={"groups": (SM_SPECS, specs)}))
+  got = step(shard(host, mesh, SM_SPECS))
+  assert_same_results(got, want)
+  # Group "b" by hand: the kernel's and the others' norms together.
+  members = [host[k] for k, label in labels.items() if label == "b" and k != "step"]
+  norm = np.sqrt(sum(np.sum(f64(x) ** 2) for x in members))
+  np.testing.assert_allclose(got["groups"][1].groups["b"].norm, norm, rtol=2e-6)
 
 
 @pytest.mark.parametrize("axis_type", list(AXIS_TYPES))
