@@ -178,8 +178,11 @@ def _clip(fn: str, updates: PyTree, params: PyTree, clipping: Any, eps: Any,
   clipped = _tree.map_clippable_indexed(
       lambda x, i: (x * factors[i]).astype(x.dtype), updates)
   # Statistics over every device's units, each once: no second all-reduce.
-  everywhere = jnp.concatenate([factors_of(g, p) for g, p in zip(
-      units.everywhere[:n], units.everywhere[n:])])
+  if reduction.split_kept_axes is None:  # every device holds every unit
+    everywhere = jnp.concatenate([f.reshape(-1) for f in factors])
+  else:
+    everywhere = jnp.concatenate([factors_of(g, p) for g, p in zip(
+        units.everywhere[:n], units.everywhere[n:])])
   clipped_units = jnp.sum(everywhere < 1, dtype=jnp.float32)
   all_units = jnp.asarray(everywhere.size, jnp.float32)
   smallest = jnp.min(everywhere, initial=1.0)

@@ -110,16 +110,18 @@ def _layer_rms(leaves: list[jax.Array], keep: tuple[tuple[int, ...], ...],
   powers of two) give the RMS and factor. An Inf entry keeps an Inf norm.
   """
   sizes = _layer_sizes(leaves, keep, reduction)
+  # Every device's slices where a layer axis is split, else this device's.
+  copies = 1 if reduction.split_kept_axes is None else 2
 
   def rms_and_factors(units: _norms.Units, shrink: list[float]) -> list[Pair]:
+    norms = units.here + units.everywhere if copies == 2 else units.here
     return [_block_rms_factors(n, np.asarray(size / k), threshold)
-            for n, size, k in zip(units.here + units.everywhere, sizes * 2,
-                                  shrink * 2)]
+            for n, size, k in zip(norms, sizes * copies, shrink * copies)]
 
   units = _norms.units(leaves, 2, reduction, keep)
   plain = rms_and_factors(units, [1.0] * len(leaves))
   if leaves and _norms.BUILD_RESCUE:
-    norms = units.here + units.everywhere
+    norms = units.here + units.everywhere if copies == 2 else units.here
     overflowed = jnp.any(jnp.isinf(jnp.concatenate(units.everywhere)))
 
     def rescued():
@@ -133,7 +135,7 @@ def _layer_rms(leaves: list[jax.Array], keep: tuple[tuple[int, ...], ...],
               for n, more, same in zip(norms, again, plain)]
 
     plain = lax.cond(overflowed, rescued, lambda: plain)
-  return plain[:len(leaves)], plain[len(leaves):]
+  return plain[:len(leaves)], plain[-len(leaves):] if leaves else []
 
 
 def _clip(fn: str, tree: PyTree, threshold, axis_name, specs,
