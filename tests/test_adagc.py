@@ -289,17 +289,26 @@ def test_layer_axis_spike_in_one_layer_leaves_the_others_alone():
     assert np.linalg.norm(whole[25, layer]) < 0.5 * np.linalg.norm(layered[25, layer])
 
 
-def test_layer_axis_under_shard_map_equals_unsharded():
+@pytest.mark.parametrize("split", [False, True])
+def test_layer_axis_under_shard_map_equals_unsharded(split):
   from jax import shard_map
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
+  from test_distributed import hlo_ops
   mesh = jax.make_mesh((2, 4), ("data", "model"))
-  specs = {"b": P(), "w": P(None, "data", "model")}  # layers on every device
+  steps = stacked_steps(steps=6)
+  if split:
+    # The layer axis split over the mesh: each device clips its own layers
+    # and every device keeps every layer's threshold. Four layers (two per
+    # "data" device): layer 1 spikes, layer 3 is quiet.
+    specs = {"b": P(), "w": P("data", None, "model")}
+    steps = [{**t, "w": np.concatenate([t["w"], 0.1 * t["w"][:1]])} for t in steps]
+  else:
+    specs = {"b": P(), "w": P(None, "data", "model")}  # layers on every device
   tx = adagc(warmup_steps=3, layer_axis=0, axis_name=("data", "model"), specs=specs)
   step = jax.jit(shard_map(tx.update, mesh=mesh, in_specs=(specs, P()),
                            out_specs=(specs, P())))
   local = adagc(warmup_steps=3, layer_axis=0)
-  steps = stacked_steps(steps=6)
   state, local_state = tx.init(steps[0]), local.init(steps[0])
   for tree in steps:
     sharded = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
@@ -308,25 +317,7 @@ def test_layer_axis_under_shard_map_equals_unsharded():
     expected, local_state = jax.jit(local.update)(tree, local_state)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5),
                  (out, state), (expected, local_state))
-  # The layer axis split over the mesh: each device clips its own layers,
-  # and every device keeps every layer's threshold (one all-reduce).
-  split_specs = {"b": P(), "w": P("data", None, "model")}
-  split = adagc(warmup_steps=3, layer_axis=0, axis_name=("data", "model"),
-                specs=split_specs)
-  step = jax.jit(shard_map(split.update, mesh=mesh, in_specs=(split_specs, P()),
-                           out_specs=(split_specs, P())))
-  # Four layers (two per "data" device): layer 1 spikes, layer 3 is quiet.
-  steps = [{**t, "w": np.concatenate([t["w"], 0.1 * t["w"][:1]])} for t in steps]
-  state, local_state = split.init(steps[0]), local.init(steps[0])
-  for tree in steps:
-    sharded = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
-                           tree, split_specs)
-    out, state = step(sharded, state)
-    expected, local_state = jax.jit(local.update)(tree, local_state)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5),
-                 (out, state), (expected, local_state))
   assert int(local_state.clipped_tensors) > 0  # some layers were clipped
-  from test_distributed import hlo_ops
   main, _ = hlo_ops(step.lower(sharded, state).compile().as_text(), "all-reduce")
   assert main == 1, "one all-reduce on the main path (the rescue has its own)"
 
