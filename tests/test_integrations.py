@@ -1,4 +1,4 @@
-"""optaxclip inside the JAX ecosystem: Flax (NNX and Linen TrainState),
+"""optaxclip inside the JAX ecosystem: Flax (NNX, Linen scan, Linen TrainState),
 Equinox, Orbax checkpoints, and optax's wrappers (MultiSteps,
 inject_hyperparams, masked, partition, named_chain).
 
@@ -237,6 +237,153 @@ def test_nnx_scan_layer_norms_and_step_match_unscanned_twin(clip):
                             twin_params, twin_grads)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                  _unstack(updated), expected)
+
+
+
+# ----------------------------------------------- Flax Linen: scanned layers
+
+LINEN_LAYER_AXIS = {"params": {"blocks": 0, "head": None}}
+
+
+def _linen_scanned_and_twin(nn):
+  """A Linen model whose blocks are applied by ``nn.scan`` (their params
+  stacked on axis 0), and an unscanned twin (a loop over ``blocks_<i>``)
+  with the same weights; each as (params, loss of params)."""
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      return jnp.tanh(nn.Dense(SCAN_WIDTH, name="lin")(x)), None
+
+  class Scanned(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      blocks = nn.scan(Block, variable_axes={"params": 0},
+                       split_rngs={"params": True}, length=SCAN_LAYERS)
+      x, _ = blocks(name="blocks")(x, None)
+      return nn.Dense(2, name="head")(x)
+
+  class Twin(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for i in range(SCAN_LAYERS):
+        x, _ = Block(name=f"blocks_{i}")(x, None)
+      return nn.Dense(2, name="head")(x)
+
+  kx, ky = jax.random.split(jax.random.key(1))
+  x = jax.random.normal(kx, (16, SCAN_WIDTH))
+  y = 10.0 * jax.random.normal(ky, (16, 2))  # gradients well above 1
+
+  def functional(model, seed):
+    def loss(params):
+      return jnp.mean((model.apply(params, x) - y) ** 2)
+    return model.init(jax.random.key(seed), x), loss
+
+  scanned, scanned_loss = functional(Scanned(), 0)
+  twin = _linen_unstack(scanned)
+  twin_template, twin_loss = functional(Twin(), 1)
+  assert (jax.tree.map(jnp.shape, twin)
+          == jax.tree.map(jnp.shape, twin_template)), twin_template
+  return (scanned, scanned_loss), (twin, twin_loss)
+
+
+def _linen_unstack(tree):
+  """A scanned Linen model's params (or updates) in its twin's layout."""
+  stacked = tree["params"]
+  return {"params": {**{f"blocks_{i}": jax.tree.map(lambda a: a[i], stacked["blocks"])
+                        for i in range(SCAN_LAYERS)},
+                     "head": stacked["head"]}}
+
+
+def _assert_trees_close(actual, expected):
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               actual, expected)
+
+
+def _f64_norm(leaf):
+  return np.linalg.norm(np.asarray(leaf, np.float64).ravel())
+
+
+@pytest.mark.parametrize("clip", sorted(SCAN_CLIPS))
+def test_linen_scan_layer_norms_and_step_match_unscanned_twin(clip):
+  nn = pytest.importorskip("flax.linen")
+  (params, loss), (twin_params, twin_loss) = _linen_scanned_and_twin(nn)
+  grads = jax.grad(loss)(params)
+  twin_grads = jax.grad(twin_loss)(twin_params)
+  # The scan and the unrolled loop compute the same gradients, per layer.
+  _assert_trees_close(_linen_unstack(grads), twin_grads)
+
+  tx = optax.chain(SCAN_CLIPS[clip](layer_axis=LINEN_LAYER_AXIS), optax.sgd(0.1))
+  twin_tx = optax.chain(SCAN_CLIPS[clip](), optax.sgd(0.1))
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  twin_updates, twin_state = jax.jit(twin_tx.update)(
+      twin_grads, twin_tx.init(twin_params), twin_params)
+  stats, twin_stats = oc.stats(state), oc.stats(twin_state)
+
+  # One norm per layer of each stacked leaf (keys end in the layer index),
+  # equal to numpy's norm of the twin's gradient leaf and to the twin's stat.
+  twin_grad_leaves = twin_grads["params"]
+  layer_keys = [k for k in stats if k.startswith("clip/leaf_norm/params/blocks/")]
+  assert len(layer_keys) == 2 * SCAN_LAYERS  # kernel and bias, per layer
+  for i in range(SCAN_LAYERS):
+    for name in ("kernel", "bias"):
+      scanned_norm = stats[f"clip/leaf_norm/params/blocks/lin/{name}/{i}"]
+      np.testing.assert_allclose(
+          scanned_norm, _f64_norm(twin_grad_leaves[f"blocks_{i}"]["lin"][name]),
+          rtol=1e-5)
+      np.testing.assert_allclose(
+          scanned_norm, twin_stats[f"clip/leaf_norm/params/blocks_{i}/lin/{name}"],
+          rtol=1e-5)
+  for name in ("kernel", "bias"):
+    np.testing.assert_allclose(stats[f"clip/leaf_norm/params/head/{name}"],
+                               _f64_norm(twin_grad_leaves["head"][name]), rtol=1e-5)
+  # clip/norm: the global norm, or (clip_by_norm) the largest layer's norm.
+  twin_norms = [_f64_norm(g) for g in jax.tree.leaves(twin_grads)]
+  global_norm = np.sqrt(sum(n ** 2 for n in twin_norms))
+  np.testing.assert_allclose(stats["clip/norm"], twin_stats["clip/norm"], rtol=1e-5)
+  np.testing.assert_allclose(
+      stats["clip/norm"], max(twin_norms) if clip == "clip_by_norm" else global_norm,
+      rtol=1e-5)
+  if clip == "clip_by_norm":  # some layers clipped, some not: a real test
+    norms = np.array([stats[k] for k in layer_keys])
+    assert norms.min() < SCAN_MAX_NORM < norms.max(), norms
+
+  # The step: the scanned model's updated params are the twin's, layer by layer,
+  # and, independently, each twin leaf moved by -0.1 * its clipped gradient.
+  updated = optax.apply_updates(params, updates)
+  _assert_trees_close(_linen_unstack(updated),
+                      optax.apply_updates(twin_params, twin_updates))
+  def scale(g):
+    norm = _f64_norm(g) if clip == "clip_by_norm" else global_norm
+    max_norm = SCAN_MAX_NORM if clip == "clip_by_norm" else 1.0
+    return min(1.0, max_norm / norm)
+  expected = jax.tree.map(
+      lambda p, g: np.asarray(p, np.float64) - 0.1 * scale(g) * np.asarray(g, np.float64),
+      twin_params, twin_grads)
+  _assert_trees_close(_linen_unstack(updated), expected)
+
+
+def test_linen_scan_adaptive_grad_clip_matches_unscanned_twin():
+  nn = pytest.importorskip("flax.linen")
+  (params, loss), (twin_params, twin_loss) = _linen_scanned_and_twin(nn)
+  grads = jax.grad(loss)(params)
+  twin_grads = jax.grad(twin_loss)(twin_params)
+
+  tx = oc.adaptive_grad_clip(0.01, layer_axis=LINEN_LAYER_AXIS)
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  # Each layer clipped as optax's AGC clips the twin's own (unstacked) leaves.
+  reference = optax.adaptive_grad_clip(0.01)
+  expected, _ = reference.update(twin_grads, reference.init(twin_params), twin_params)
+  _assert_trees_close(_linen_unstack(updates), expected)
+  # And as optaxclip's AGC clips the twin.
+  twin_tx = oc.adaptive_grad_clip(0.01)
+  twin_updates, twin_state = jax.jit(twin_tx.update)(
+      twin_grads, twin_tx.init(twin_params), twin_params)
+  _assert_trees_close(_linen_unstack(updates), twin_updates)
+  # A real test: some units were clipped, and both count the same ones.
+  stats, twin_stats = oc.stats(state), oc.stats(twin_state)
+  assert 0 < int(stats["agc/clipped_count"]), stats
+  assert int(stats["agc/clipped_count"]) == int(twin_stats["agc/clipped_count"])
 
 
 # ------------------------------------------------------------ Flax TrainState
