@@ -110,18 +110,19 @@ def _layer_rms(leaves: list[jax.Array], keep: tuple[tuple[int, ...], ...],
   powers of two) give the RMS and factor. An Inf entry keeps an Inf norm.
   """
   sizes = _layer_sizes(leaves, keep, reduction)
-  # Every device's slices where a layer axis is split, else this device's.
-  copies = 1 if reduction.split_kept_axes is None else 2
+  split = reduction.split_kept_axes is not None
+
+  def views(units: _norms.Units) -> list[jax.Array]:
+    # This device's slices and, where a layer axis is split, every device's.
+    return units.here + (units.everywhere if split else [])
 
   def rms_and_factors(units: _norms.Units, shrink: list[float]) -> list[Pair]:
-    norms = units.here + units.everywhere if copies == 2 else units.here
     return [_block_rms_factors(n, np.asarray(size / k), threshold)
-            for n, size, k in zip(norms, sizes * copies, shrink * copies)]
+            for n, size, k in zip(views(units), sizes * 2, shrink * 2)]
 
   units = _norms.units(leaves, 2, reduction, keep)
   plain = rms_and_factors(units, [1.0] * len(leaves))
   if leaves and _norms.BUILD_RESCUE:
-    norms = units.here + units.everywhere if copies == 2 else units.here
     overflowed = jnp.any(jnp.isinf(jnp.concatenate(units.everywhere)))
 
     def rescued():
@@ -132,10 +133,11 @@ def _layer_rms(leaves: list[jax.Array], keep: tuple[tuple[int, ...], ...],
                               [4.0 ** k for k in shifts])
       return [tuple(jnp.where(jnp.isinf(n), new, old)
                     for new, old in zip(more, same))
-              for n, more, same in zip(norms, again, plain)]
+              for n, more, same in zip(views(units), again, plain)]
 
     plain = lax.cond(overflowed, rescued, lambda: plain)
-  return plain[:len(leaves)], plain[-len(leaves):] if leaves else []
+  here = plain[:len(leaves)]
+  return here, plain[len(leaves):] or here  # unsplit: every device's are these
 
 
 def _clip(fn: str, tree: PyTree, threshold, axis_name, specs,
