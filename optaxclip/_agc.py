@@ -30,6 +30,7 @@ from optaxclip import (
     _counters,
     _leaf_norms,
     _norms,
+    _scaling,
     _stats,
     _tree,
     _validation,
@@ -175,8 +176,7 @@ def _clip(fn: str, updates: PyTree, params: PyTree, clipping: Any, eps: Any,
 
   n = len(grads)
   factors = [factors_of(g, p) for g, p in zip(units.here[:n], units.here[n:])]
-  clipped = _tree.map_clippable_indexed(
-      lambda x, i: (x * factors[i]).astype(x.dtype), updates)
+  clipped = _scaling.scale_leaves(updates, factors)
   # Statistics over every device's units, each once: no second all-reduce.
   if reduction.split_kept_axes is None:  # every device holds every unit
     everywhere = jnp.concatenate([f.reshape(-1) for f in factors])

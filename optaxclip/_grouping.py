@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from optaxclip._sharding import gathered, layout_spec
+
 # Leaves up to this many elements are grouped with others.
 GROUP_LIMIT = 1 << 15
 # At most this many leaves per group.
@@ -42,27 +44,6 @@ def _take(vector: jax.Array, indices) -> jax.Array:
   else:
     taken = vector.at[flat].get(mode="promise_in_bounds", unique_indices=True)
   return taken.reshape(indices.shape)
-
-
-def _spec(piece: jax.Array) -> Any:
-  """``(mesh, spec)`` of ``piece`` on an Explicit mesh, else None."""
-  sharding = getattr(jax.typeof(piece), "sharding", None)
-  mesh = getattr(sharding, "mesh", None)
-  if (sharding is None or mesh is None or mesh.empty or any(
-      t != jax.sharding.AxisType.Explicit for t in mesh.axis_types)):
-    return None
-  return mesh, tuple(sharding.spec)
-
-
-def _replicated(piece: jax.Array) -> jax.Array:
-  """``piece`` (a few units' partials) replicated where an Explicit mesh
-  splits it (a layer axis sharded over a mesh axis), so that it
-  concatenates with pieces of other layouts (on an Auto mesh XLA decides)."""
-  layout = _spec(piece)
-  if layout is None or all(s is None for s in layout[1]):
-    return piece
-  return jax.sharding.reshard(
-      piece, jax.sharding.NamedSharding(layout[0], jax.sharding.PartitionSpec()))
 
 
 class Group(NamedTuple):
@@ -93,13 +74,10 @@ def _layout(x: jax.Array) -> Any:
   tracing (the compiler picks it): such leaves reduce alone (None), since
   stacking differently sharded leaves would make XLA move them.
   """
-  sharding = getattr(jax.typeof(x), "sharding", None)
-  mesh = getattr(sharding, "mesh", None)
-  if sharding is None or mesh is None or mesh.empty:
-    return ()
-  if any(t == jax.sharding.AxisType.Auto for t in mesh.axis_types):
+  spec = layout_spec(x)
+  if spec == "auto":
     return None
-  return mesh, sharding.spec
+  return () if spec is None else ("explicit", spec)
 
 
 def _plan(leaves: Sequence[jax.Array], keep: Sequence[Keep], *,
@@ -176,10 +154,13 @@ class Grouped:
     for group in groups:
       assert group.units is not None, "per unit needs unmerged groups"
       values = elementwise(group.values, group)
-      pieces.append(reduce(values, axis=group.reduced).reshape(-1))
+      reduced = reduce(values, axis=group.reduced)
+      if reduced.ndim > 1:  # an Explicit mesh may not flatten split axes
+        reduced = gathered(reduced)
+      pieces.append(reduced.reshape(-1))
       order.append(group.units.reshape(-1))
-    if len({_spec(piece) for piece in pieces}) > 1:
-      pieces = [_replicated(piece) for piece in pieces]
+    if len({layout_spec(piece) for piece in pieces}) > 1:
+      pieces = [gathered(piece) for piece in pieces]
     vector = jnp.concatenate(pieces)
     order = np.concatenate(order)
     if not np.array_equal(order, np.arange(order.size)):

@@ -16,13 +16,15 @@ norms)``: code written for optax's pair swaps with one more name,
 """
 
 import math
+import string
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optaxclip import _leaf_norms, _norms, _scaling, _tree, _validation
+from optaxclip import _leaf_norms, _norms, _scaling, _sharding, _tree, _validation
+from optaxclip._sharding import whole_on_auto_mesh
 
 PyTree = Any
 
@@ -89,12 +91,20 @@ def _factors(norms: jax.Array, max_norm: Any) -> jax.Array:
   return jnp.where(jnp.isnan(factors), jnp.ones_like(factors), factors)
 
 
-def _weighted_sum(factors: jax.Array, x: jax.Array) -> jax.Array:
-  """``sum_i factors[i] * x[i]`` accumulated in float32 at least."""
+def _weighted_sum(factors: jax.Array, x: jax.Array, axis: int | None = None
+                  ) -> jax.Array:
+  """``sum_i factors[i] * x[i]``, or with a layer ``axis`` (of one
+  example's gradient) ``sum_i factors[i, l] * x[i, ..., l, ...]``,
+  accumulated in float32 at least. The sum keeps ``x``'s layout over its
+  other axes: each device sums its own part."""
   acc = jnp.promote_types(x.dtype, factors.dtype)
-  total = jnp.tensordot(factors.astype(acc), x, axes=1,
-                        precision=jax.lax.Precision.HIGHEST,
-                        preferred_element_type=acc)
+  entries = string.ascii_letters[1:x.ndim]  # one example's axes
+  weights = "a" if axis is None else "a" + entries[axis]
+  total = jnp.einsum(f"{weights},a{entries}->{entries}",
+                     whole_on_auto_mesh(factors.astype(acc)), x,
+                     precision=jax.lax.Precision.HIGHEST,
+                     preferred_element_type=acc,
+                     out_sharding=_sharding.without_leading_axis(x))
   return total.astype(x.dtype)
 
 
@@ -177,18 +187,6 @@ def _example_keep(fn: str, grads: PyTree, layer_axis: PyTree
   return _leaf_norms.layer_keep(fn, one, layer_axis)
 
 
-def _weighted_layer_sum(factors: jax.Array, x: jax.Array, axis: int
-                        ) -> jax.Array:
-  """``sum_i factors[i, l] * x[i, ..., l, ...]`` (``l`` on one example's
-  ``axis``), accumulated in float32 at least."""
-  acc = jnp.promote_types(x.dtype, factors.dtype)
-  layers_first = jnp.moveaxis(x, 1 + axis, 1)
-  total = jnp.einsum("bl,bl...->l...", factors.astype(acc), layers_first,
-                     precision=jax.lax.Precision.HIGHEST,
-                     preferred_element_type=acc)
-  return jnp.moveaxis(total, 0, axis).astype(x.dtype)
-
-
 def _whole_counts(leaves: list[jax.Array], keep: tuple[tuple[int, ...], ...],
                   reduction: _norms.Reduction) -> tuple[list[int], list[int]]:
   """Per leaf, its layers and one example's entries, whole: under
@@ -196,7 +194,7 @@ def _whole_counts(leaves: list[jax.Array], keep: tuple[tuple[int, ...], ...],
   layers, sizes = [], []
   for i, (x, kept) in enumerate(zip(leaves, keep)):
     local_layers = math.prod(x.shape[1 + a] for a in kept)
-    per_layer = x[0].size // max(local_layers, 1)
+    per_layer = math.prod(x.shape[1:]) // max(local_layers, 1)
     layers.append(reduction.whole_count(i, local_layers, kept=True))
     sizes.append(reduction.whole_count(i, per_layer) * layers[-1])
   return layers, sizes
@@ -223,9 +221,7 @@ def _clip_layers(fn: str, grads: PyTree, leaves: list[jax.Array], max_norm,
   factors = [_factors(n, c) for n, c in zip(norms, thresholds)]
 
   def summed(x, i):
-    if not keep[i]:
-      return _weighted_sum(factors[i], x)
-    return _weighted_layer_sum(factors[i], x, keep[i][0])
+    return _weighted_sum(factors[i], x, keep[i][0] if keep[i] else None)
 
   return PerExampleClip(
       _tree.map_clippable_indexed(summed, grads),

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from optaxclip import _tree
+from optaxclip._sharding import whole_on_auto_mesh
 
 PyTree = Any
 
@@ -50,7 +51,8 @@ def zero_unless(keep: jax.Array, tree: PyTree) -> PyTree:
 
 
 def _scale_leaf(x: jax.Array, factor: jax.Array) -> jax.Array:
-  scaled = x * factor
+  # Only the leaf's own layout decides its update's (see the function).
+  scaled = x * whole_on_auto_mesh(factor)
   # Half-precision leaves are scaled in float32 and rounded once. (The check
   # saves a no-op cast per leaf from the trace of trees with many leaves.)
   return scaled if scaled.dtype == x.dtype else scaled.astype(x.dtype)

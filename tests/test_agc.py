@@ -471,12 +471,13 @@ def test_units_come_from_the_whole_leaf_under_shard_map():
                     rtol=1e-6)
 
 
-def test_layer_axis_on_gspmd_sharded_layers():
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_layer_axis_on_gspmd_sharded_layers(axis_type):
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
-  # An Auto mesh: on an Explicit one the core's per-unit reduction cannot
-  # yet reshape units sharded over mesh axes (reported).
-  mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  # The units (layer, output) are split over both mesh axes.
+  mesh = jax.make_mesh((2, 4), ("x", "y"),
+                       axis_types=(getattr(jax.sharding.AxisType, axis_type),) * 2)
   params = tree_of({"k": (4, 8, 16)}, seed=52)
   grads = tree_of({"k": (4, 8, 16)}, seed=53, scale=0.03)
   grads["k"] = grads["k"].at[3].multiply(100.0)
@@ -484,6 +485,7 @@ def test_layer_axis_on_gspmd_sharded_layers():
   got = jax.jit(lambda g, p: adaptive_grad_clip_fn(g, p, 0.1, layer_axis=0))(
       put(grads), put(params))
   assert_tree_close(got, optax_per_layer(grads, params, {"k": 0}, 0.1), rtol=1e-6)
+  assert got["k"].sharding.is_equivalent_to(put(grads)["k"].sharding, 3)
 
 
 def test_layer_axis_nan_stays_in_its_layer_and_zero_is_finite():

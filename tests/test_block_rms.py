@@ -407,9 +407,10 @@ def test_layer_axis_shard_map_equals_unsharded(which):
   assert int(state.clipped_count) == 1
 
 
-def test_layer_axis_on_gspmd_sharded_layers():
-  # An Auto mesh: see test_agc.py's test of the same name.
-  mesh = jax.make_mesh((2, 4), AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_layer_axis_on_gspmd_sharded_layers(axis_type):
+  mesh = jax.make_mesh((2, 4), AXES,
+                       axis_types=(getattr(jax.sharding.AxisType, axis_type),) * 2)
   host = stacked_tree(24)
   tree = {k: jax.device_put(x, NamedSharding(mesh, P("data") if LAYER_AXES[k] == 0 else P()))
           for k, x in host.items()}
@@ -417,6 +418,7 @@ def test_layer_axis_on_gspmd_sharded_layers():
   want = optax_per_layer(host, 0.5)
   for k in host:
     assert ulps(got[k], want[k], jnp.float32).max() <= F32_APART, k
+    assert got[k].sharding.is_equivalent_to(tree[k].sharding, host[k].ndim), k
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
