@@ -50,9 +50,6 @@ from optaxclip._sharding import whole_shapes as whole_shapes
 
 PyTree = Any
 
-# The vmap axis name per-example norms run under (``Reduction.batch_axis``).
-EXAMPLES = "optaxclip_examples"
-
 # XLA's cost analysis counts both sides of the rescue's ``lax.cond``, though
 # the rescue runs only when the plain sums fail: benchmarks/ (and
 # tests/test_traffic.py) measure its share with a build that leaves it out
@@ -271,10 +268,6 @@ def _rescued_roots(grouped, p, acc, reduction, sums, floor, *,
                                    total=total), p)
   if divisor is not None:
     roots = roots * divisor
-  if reduction.batch_axis is not None:
-    # Decided for a whole batch: an example that did not need the rescue
-    # keeps its plain norm, as when each example decided for itself.
-    usable = usable & _needs_rescue(sums, floor)
   return jnp.where(usable, _exact.unscaled(roots, exponents), safe_root(sums, p))
 
 
@@ -349,7 +342,7 @@ def _norms_of(leaves, p, acc, reduction: Reduction, *, keep,
                                 sums, floor, total=total)
   if not BUILD_RESCUE:
     return safe_root(sums, p)
-  return lax.cond(reduction.decide(needed), rescued,
+  return lax.cond(jnp.any(needed), rescued,
                   lambda: safe_root(sums, p))
 
 

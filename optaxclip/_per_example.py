@@ -5,10 +5,11 @@ Every leaf carries a leading batch axis: row ``i`` of every leaf is example
 together, or of each leaf) and the clipped examples are summed, as in
 ``optax.per_example_global_norm_clip`` and
 ``optax.per_example_layer_norm_clip``: same numbers, plus each example's
-pre-clip norm for logging. The norms are the library's (``jax.vmap`` over the
-one norm implementation): accumulated in float32 whatever the leaf dtype and
-overflow-safe. The sums are accumulated in float32 too (at full precision on
-every backend) and each leaf keeps its dtype.
+pre-clip norm for logging. The norms are the library's, the batch axis kept
+as a layer axis is (one pass, one all-reduce, on any mesh): accumulated in
+float32 whatever the leaf dtype and overflow-safe. The sums are accumulated
+in float32 too (at full precision on every backend) and each leaf keeps its
+dtype.
 
 The result is a ``PerExampleClip`` named tuple ``(summed, num_clipped,
 norms)``: code written for optax's pair swaps with one more name,
@@ -65,20 +66,21 @@ def _batch_size(fn: str, leaves: list[jax.Array]) -> int:
   return size
 
 
-def _per_example_norms(norm_fn, leaves: list[jax.Array], p: Any,
-                       reduction: _norms.Reduction) -> jax.Array:
-  """``norm_fn`` of each example (row), under ``vmap``.
+def _example_norms(fn: str, grads: PyTree, leaves: list[jax.Array], p: Any,
+                   axis_name: Any, specs: PyTree,
+                   keep: tuple[tuple[int, ...], ...]) -> list[jax.Array]:
+  """Per leaf, each example's ``p``-norm (and of each layer of it, for a
+  leaf whose ``keep`` holds its layer axis, of one example's axes).
 
-  The rescue of unusual magnitudes is decided once for the whole batch
-  (``Reduction.batch_axis``), so it runs only when some example needs it:
-  decided per example, ``vmap`` would run it for every example. Under
-  ``shard_map`` (``axis_name``) JAX allows no collective over the ``vmap``
-  axis, and the decision stays per example.
+  The batch axis is one more axis the norms keep, as a layer axis is: one
+  pass and one all-reduce for all examples, and the rescue of unusual
+  magnitudes decided once for the batch (it runs only when some example
+  needs it). A batch split over the mesh (sharded ``jit``, or ``specs``
+  under ``shard_map``) is a kept axis split over it.
   """
-  if not reduction.axis_names:
-    reduction = reduction._replace(batch_axis=_norms.EXAMPLES)
-  return jax.vmap(lambda rows: norm_fn(rows, p, reduction),
-                  axis_name=_norms.EXAMPLES)(leaves)
+  kept = tuple((0,) + tuple(a + 1 for a in k) for k in keep)
+  reduction = _norms.make_reduction(fn, grads, axis_name, specs, kept)
+  return _norms.units(leaves, p, reduction, kept).here
 
 
 def _factors(norms: jax.Array, max_norm: Any) -> jax.Array:
@@ -108,12 +110,6 @@ def _weighted_sum(factors: jax.Array, x: jax.Array, axis: int | None = None
   return total.astype(x.dtype)
 
 
-def _sum_clipped(tree: PyTree, factors_of) -> PyTree:
-  """Each clippable leaf summed over the batch with its factors."""
-  return _tree.map_clippable_indexed(
-      lambda x, i: _weighted_sum(factors_of(i), x), tree)
-
-
 def _per_leaf_tree(tree: PyTree, values: list[Any], fill: Any) -> PyTree:
   """``values`` at the clippable leaves of ``tree``, ``fill`` elsewhere."""
   leaves, treedef = jax.tree.flatten(tree)
@@ -140,9 +136,11 @@ def per_example_clip_by_global_norm(grads: PyTree, max_norm: Any, *,
     max_norm: the largest norm an example keeps (a number >= 0, or ``inf``).
       Traced (inside ``jit``), a negative or NaN value acts as 0.
     ord: the norm order: any number ``p > 0`` or ``inf`` (DP-SGD uses 2).
-    axis_name: under ``shard_map``/``pmap``, the axis name(s) the leaves'
-      non-batch axes are split over: the norms are then global.
+    axis_name: under ``shard_map``/``pmap``, the axis name(s) the leaves
+      are split over: the norms are then global.
     specs: with ``axis_name``, the leaves' ``PartitionSpec`` (tree prefix).
+      Where it splits the batch axis, each device clips and sums its own
+      examples (sum the devices' sums, as a data-parallel step does).
 
   Returns:
     ``PerExampleClip(summed, num_clipped, norms)``: the summed clipped tree
@@ -165,15 +163,18 @@ def per_example_clip_by_global_norm(grads: PyTree, max_norm: Any, *,
   fn = "per_example_clip_by_global_norm"
   max_norm = _check(fn, grads, max_norm)
   p = _validation.check_ord(fn, ord)
-  reduction = _norms.make_reduction(fn, grads, axis_name, specs)
+  _validation.check_axis_name(fn, axis_name)
   leaves = _tree.clippable_leaves(grads)
   batch = _batch_size(fn, leaves)
   if not leaves:
     return PerExampleClip(grads, jnp.zeros([], jnp.int32),
                           jnp.zeros([batch], jnp.float32))
-  norms = _per_example_norms(_norms.norm_of_leaves, leaves, p, reduction)
+  per_leaf = _example_norms(fn, grads, leaves, p, axis_name, specs,
+                            ((),) * len(leaves))
+  # Each example's norm over all leaves: the norm of its leaf norms.
+  norms = _norms.leaf_norms([jnp.stack(per_leaf)], p, _norms.LOCAL, ((1,),))
   factors = _factors(norms, max_norm)
-  summed = _sum_clipped(grads, lambda index: factors)
+  summed = _tree.map_clippable_indexed(lambda x, _: _weighted_sum(factors, x), grads)
   num_clipped = jnp.sum(factors < 1, dtype=jnp.int32)
   return PerExampleClip(summed, num_clipped, norms)
 
@@ -187,47 +188,20 @@ def _example_keep(fn: str, grads: PyTree, layer_axis: PyTree
   return _leaf_norms.layer_keep(fn, one, layer_axis)
 
 
-def _whole_counts(leaves: list[jax.Array], keep: tuple[tuple[int, ...], ...],
-                  reduction: _norms.Reduction) -> tuple[list[int], list[int]]:
-  """Per leaf, its layers and one example's entries, whole: under
-  ``shard_map`` a device holds a shard (of the layers, or of each)."""
-  layers, sizes = [], []
-  for i, (x, kept) in enumerate(zip(leaves, keep)):
-    local_layers = math.prod(x.shape[1 + a] for a in kept)
-    per_layer = math.prod(x.shape[1:]) // max(local_layers, 1)
-    layers.append(reduction.whole_count(i, local_layers, kept=True))
-    sizes.append(reduction.whole_count(i, per_layer) * layers[-1])
-  return layers, sizes
-
-
-def _clip_layers(fn: str, grads: PyTree, leaves: list[jax.Array], max_norm,
-                 uniform: bool, axis_name, specs, keep) -> PerExampleClip:
-  """``per_example_clip_by_layer_norm`` with stacked layers: every layer
-  slice of every leaf is a layer of its own."""
-  reduction = _norms.make_reduction(
-      fn, grads, axis_name, specs, [tuple(a + 1 for a in k) for k in keep])
-  layers, sizes = _whole_counts(leaves, keep, reduction)
-  # The thresholds as optax writes them for the unstacked layers.
+def _layer_thresholds(fn: str, grads: PyTree, specs: PyTree, max_norm: Any,
+                      uniform: bool, keep: tuple[tuple[int, ...], ...]
+                      ) -> list[Any]:
+  """Per leaf, the largest norm of each of its layers, as optax writes it
+  (for the same rounding) for the unstacked layers: ``C / sqrt(K)``, or
+  ``C * sqrt(D_k / D)``. Counted on the whole leaves: under ``shard_map`` a
+  device holds shards."""
+  shapes = [shape[1:] for shape in _norms.whole_shapes(fn, grads, specs)]
+  layers = [math.prod(shape[a] for a in kept) for shape, kept in zip(shapes, keep)]
   if uniform:
-    thresholds = [max_norm * (1.0 / sum(layers)) ** 0.5] * len(leaves)
-  else:
-    total = sum(sizes)
-    thresholds = [max_norm * (size // n / total) ** 0.5
-                  for size, n in zip(sizes, layers)]
-  if not reduction.axis_names:
-    reduction = reduction._replace(batch_axis=_norms.EXAMPLES)
-  norms = jax.vmap(lambda rows: _norms.unit_norms(rows, 2.0, reduction, keep),
-                   axis_name=_norms.EXAMPLES)(leaves)
-  factors = [_factors(n, c) for n, c in zip(norms, thresholds)]
-
-  def summed(x, i):
-    return _weighted_sum(factors[i], x, keep[i][0] if keep[i] else None)
-
-  return PerExampleClip(
-      _tree.map_clippable_indexed(summed, grads),
-      _per_leaf_tree(grads, [jnp.sum(f < 1, axis=0, dtype=jnp.int32)
-                             for f in factors], jnp.zeros([], jnp.int32)),
-      _per_leaf_tree(grads, norms, jnp.zeros([leaves[0].shape[0]], norms[0].dtype)))
+    return [max_norm * (1.0 / sum(layers)) ** 0.5] * len(shapes)
+  total = sum(math.prod(shape) for shape in shapes)
+  return [max_norm * (math.prod(shape) // n / total) ** 0.5
+          for shape, n in zip(shapes, layers)]
 
 
 def per_example_clip_by_layer_norm(grads: PyTree, max_norm: Any, *,
@@ -249,9 +223,11 @@ def per_example_clip_by_layer_norm(grads: PyTree, max_norm: Any, *,
     max_norm: the overall budget ``C`` (a number >= 0, or ``inf``).
       Traced (inside ``jit``), a negative or NaN value acts as 0.
     uniform: split ``C`` evenly over the leaves, or by their sizes.
-    axis_name: under ``shard_map``/``pmap``, the axis name(s) the leaves'
-      non-batch axes are split over.
+    axis_name: under ``shard_map``/``pmap``, the axis name(s) the leaves
+      are split over.
     specs: with ``axis_name``, the leaves' ``PartitionSpec`` (tree prefix).
+      Where it splits the batch axis, each device clips and sums its own
+      examples (sum the devices' sums, as a data-parallel step does).
     layer_axis: for scanned (stacked) layers, the axis that stacks them in
       one example's gradient (the parameter's axis, the batch axis left
       out): an int, or a tree prefix of ``grads`` with int or None leaves.
@@ -294,32 +270,25 @@ def per_example_clip_by_layer_norm(grads: PyTree, max_norm: Any, *,
   max_norm = _check(fn, grads, max_norm)
   _validation.check_bool(fn, "uniform", uniform)
   _validation.check_layer_axis(fn, layer_axis)
-  reduction = _norms.make_reduction(fn, grads, axis_name, specs)
+  _validation.check_axis_name(fn, axis_name)
   leaves = _tree.clippable_leaves(grads)
   batch = _batch_size(fn, leaves)
   if not leaves:
     return PerExampleClip(grads,
                           _per_leaf_tree(grads, [], jnp.zeros([], jnp.int32)),
                           _per_leaf_tree(grads, [], jnp.zeros([0], jnp.float32)))
-  keep = _example_keep(fn, grads, layer_axis)
-  if keep is not None:
-    return _clip_layers(fn, grads, leaves, max_norm, uniform, axis_name, specs,
-                        keep)
-  # The thresholds as optax writes them, for the same rounding.
-  if uniform:
-    thresholds = [max_norm * (1.0 / len(leaves)) ** 0.5] * len(leaves)
-  else:
-    # Whole leaves' sizes: under shard_map a device holds shards.
-    _, sizes = _whole_counts(leaves, ((),) * len(leaves), reduction)
-    total = sum(sizes)
-    thresholds = [max_norm * (size / total) ** 0.5 for size in sizes]
-  norms = _per_example_norms(_norms.leaf_norms, leaves, 2.0, reduction)
-  factors = [_factors(norms[:, k], c) for k, c in enumerate(thresholds)]
-  summed = _sum_clipped(grads, lambda index: factors[index])
-  counts = [jnp.sum(f < 1, dtype=jnp.int32) for f in factors]
-  zero_norms = jnp.zeros([batch], norms.dtype)
+  # With layer axes, every layer slice of every leaf is a layer of its own.
+  keep = _example_keep(fn, grads, layer_axis) or ((),) * len(leaves)
+  thresholds = _layer_thresholds(fn, grads, specs, max_norm, uniform, keep)
+  norms = _example_norms(fn, grads, leaves, 2.0, axis_name, specs, keep)
+  factors = [_factors(n, c) for n, c in zip(norms, thresholds)]
+  axes: list[int | None] = [kept[0] if kept else None for kept in keep]
+
+  def summed(x, i):
+    return _weighted_sum(factors[i], x, axes[i])
+
   return PerExampleClip(
-      summed,
-      _per_leaf_tree(grads, counts, jnp.zeros([], jnp.int32)),
-      _per_leaf_tree(grads, [norms[:, k] for k in range(len(leaves))],
-                     zero_norms))
+      _tree.map_clippable_indexed(summed, grads),
+      _per_leaf_tree(grads, [jnp.sum(f < 1, axis=0, dtype=jnp.int32)
+                             for f in factors], jnp.zeros([], jnp.int32)),
+      _per_leaf_tree(grads, norms, jnp.zeros([batch], norms[0].dtype)))

@@ -44,25 +44,10 @@ class Reduction(NamedTuple):
     split_kept_axes: per leaf, the axes that split its kept axes (a sharded
       layer or AGC unit axis: a different unit on each device of them), in
       the order they split them, or None where no leaf has such axes.
-    batch_axis: the ``vmap`` axis of per-example norms, if any.
   """
   axis_names: tuple[Any, ...]
   replicated_axes: tuple[tuple[Any, ...], ...] | None = None
   split_kept_axes: tuple[tuple[Any, ...], ...] | None = None
-  batch_axis: Any = None
-
-  def decide(self, needed: jax.Array) -> jax.Array:
-    """Whether any norm needs the rescue: one answer for the whole batch,
-    so that every example takes one branch (``needed`` is the same on
-    every device already: it is read from combined sums).
-
-    Under ``vmap`` a per-example answer would make ``lax.cond`` a select
-    that runs the rescue for every example.
-    """
-    needed = jnp.any(needed)
-    if self.batch_axis is None:
-      return needed
-    return lax.pmax(needed.astype(jnp.int32), self.batch_axis) > 0
 
   def sum(self, partials: jax.Array, sizes: tuple[int, ...] = ()
           ) -> jax.Array:

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import FLOAT_DTYPES
-from jax import shard_map
+from jax import lax, shard_map
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -321,3 +321,75 @@ def test_layer_sizes_are_the_whole_leaves_under_shard_map():
   summed, num_clipped = OPTAX_LAYER(grads, jnp.float32(0.5), uniform=False)
   assert_close(result.summed, summed)
   jax.tree.map(np.testing.assert_array_equal, result.num_clipped, num_clipped)
+
+
+# Data-parallel DP-SGD on a 2x4 mesh: the batch split over "data", a stacked
+# kernel's 4 layers over "model". The batch is one more axis the norms keep.
+DP_AXES = ("data", "model")
+DP_SPECS = {"k": P("data", "model"), "b": P("data")}
+DP_LAYER_AXIS = {"k": 0, "b": None}
+DP_FUNCTIONS = {
+    "global": lambda g, **kw: per_example_clip_by_global_norm(g, 0.5, **kw),
+    "layer": lambda g, **kw: per_example_clip_by_layer_norm(g, 0.5, **kw),
+    "layer_axis": lambda g, **kw: per_example_clip_by_layer_norm(
+        g, 0.5, uniform=False, layer_axis=DP_LAYER_AXIS, **kw),
+}
+
+
+def dp_tree():
+  rng = np.random.default_rng(7)
+  scales = np.geomspace(1e-2, 10, BATCH)  # some examples clipped, some not
+  k = rng.normal(size=(BATCH, 4, 5, 8)) * scales[:, None, None, None]
+  b = rng.normal(size=(BATCH, 6)) * scales[:, None]
+  return {"k": np.asarray(k, np.float32), "b": np.asarray(b, np.float32)}
+
+
+def assert_same(got, want):
+  # The sums over examples may run in another order: within a few ulps.
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-6),
+               got, want)
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+@pytest.mark.parametrize("name", list(DP_FUNCTIONS))
+def test_sharded_jit_with_the_batch_and_layers_split(name, axis_type):
+  from jax.sharding import AxisType, NamedSharding
+  mesh = jax.make_mesh((2, 4), DP_AXES, axis_types=(getattr(AxisType, axis_type),) * 2)
+  host = dp_tree()
+  tree = {k: jax.device_put(x, NamedSharding(mesh, DP_SPECS[k])) for k, x in host.items()}
+  fn = DP_FUNCTIONS[name]
+  got = jax.jit(fn)(tree)
+  want = fn(jax.tree.map(jnp.asarray, host))
+  assert_same(got, want)
+  clipped = sum(int(np.sum(n)) for n in jax.tree.leaves(want.num_clipped))
+  assert 0 < clipped < BATCH * 5
+  # Each device sums its own part: the sums keep their leaf's layout.
+  for k, spec in DP_SPECS.items():
+    assert got.summed[k].sharding.is_equivalent_to(
+        NamedSharding(mesh, P(*spec[1:])), host[k].ndim - 1), (k, got.summed[k].sharding)
+
+
+@pytest.mark.parametrize("name", list(DP_FUNCTIONS))
+def test_shard_map_with_the_batch_split(name):
+  # Each device clips its own examples (their norms over "model" too) and
+  # the user sums the devices' sums, as a data-parallel step does.
+  from jax.sharding import NamedSharding
+  mesh = jax.make_mesh((2, 4), DP_AXES)
+  host = dp_tree()
+  fn = DP_FUNCTIONS[name]
+  want = fn(jax.tree.map(jnp.asarray, host))
+
+  def local(g):
+    summed, num_clipped, norms = fn(g, axis_name=DP_AXES, specs=DP_SPECS)
+    return PerExampleClip(lax.psum(summed, "data"), lax.psum(num_clipped, "data"), norms)
+
+  per_leaf = name != "global"
+  layered = name == "layer_axis"
+  out_specs = PerExampleClip({k: P(*s[1:]) for k, s in DP_SPECS.items()},
+               {"k": P("model") if layered else P(), "b": P()} if per_leaf else P(),
+               {"k": P("data", "model") if layered else P("data"), "b": P("data")}
+               if per_leaf else P("data"))
+  step = jax.jit(shard_map(local, mesh=mesh, in_specs=(DP_SPECS,), out_specs=out_specs))
+  got = step({k: jax.device_put(x, NamedSharding(mesh, DP_SPECS[k]))
+              for k, x in host.items()})
+  assert_same(got, want)
