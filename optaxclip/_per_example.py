@@ -279,8 +279,8 @@ def per_example_clip_by_layer_norm(grads: PyTree, max_norm: Any, *,
                           _per_leaf_tree(grads, [], jnp.zeros([0], jnp.float32)))
   # With layer axes, every layer slice of every leaf is a layer of its own.
   keep = _example_keep(fn, grads, layer_axis) or ((),) * len(leaves)
-  thresholds = _layer_thresholds(fn, grads, specs, max_norm, uniform, keep)
   norms = _example_norms(fn, grads, leaves, 2.0, axis_name, specs, keep)
+  thresholds = _layer_thresholds(fn, grads, specs, max_norm, uniform, keep)
   factors = [_factors(n, c) for n, c in zip(norms, thresholds)]
   axes: list[int | None] = [kept[0] if kept else None for kept in keep]
 
