@@ -393,3 +393,19 @@ def test_shard_map_with_the_batch_split(name):
   got = step({k: jax.device_put(x, NamedSharding(mesh, DP_SPECS[k]))
               for k, x in host.items()})
   assert_same(got, want)
+
+
+@pytest.mark.parametrize("name", list(DP_FUNCTIONS))
+def test_one_all_reduce_with_the_batch_split(name):
+  # Every example's partial sums, of every leaf, travel in one vector.
+  from test_distributed import hlo_ops
+  mesh = jax.make_mesh((2, 4), DP_AXES)
+  fn = DP_FUNCTIONS[name]
+  f = shard_map(lambda g: fn(g, axis_name=DP_AXES, specs=DP_SPECS).norms, mesh=mesh,
+                in_specs=(DP_SPECS,), out_specs=P(), check_vma=False)
+  from jax.sharding import NamedSharding
+  structs = {k: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                     sharding=NamedSharding(mesh, DP_SPECS[k]))
+             for k, x in dp_tree().items()}
+  main, _ = hlo_ops(jax.jit(f).lower(structs).compile().as_text(), "all-reduce")
+  assert main == 1, f"{name}: {main} all-reduces on the main path"
