@@ -215,10 +215,13 @@ def adagc(*, lambda_abs: Scalar = 1.0, lambda_rel: Scalar = 1.05, beta: Scalar =
     if total != state.gamma.shape[0]:
       what = (f"{len(leaves)} floating leaves" if keep is None else
               f"{total} (layer slices of {len(leaves)} floating leaves)")
+      where = ("the whole parameters, outside shard_map (every device keeps "
+               "every layer's threshold, and its layers are split here)"
+               if reduction.split_kept_axes is not None else
+               "the parameters (or a tree of the same structure)")
       raise ValueError(
           f"`{fn}`: the state has a threshold for {state.gamma.shape[0]} "
-          f"tensors but the updates have {what}; call init with the "
-          f"parameters (or a tree of the same structure)")
+          f"tensors but the updates have {what}; call init with {where}")
     dtype = state.gamma.dtype  # the statistics' (see init), every step
     if keep is None:
       norms = _norms.leaf_norms(leaves, 2, reduction).astype(dtype)

@@ -321,6 +321,17 @@ def test_layer_axis_under_shard_map_equals_unsharded(split):
   main, _ = hlo_ops(step.lower(sharded, state).compile().as_text(), "all-reduce")
   assert main == 1, "one all-reduce on the main path (the rescue has its own)"
 
+  # Initialized inside shard_map, from this device's layers only: the error
+  # says where to initialize.
+  inside = jax.jit(shard_map(lambda t: tx.update(t, tx.init(t)), mesh=mesh,
+                             in_specs=(specs,), out_specs=(specs, P())))
+  if split:
+    with pytest.raises(ValueError, match="whole parameters, outside shard_map"):
+      inside(sharded)
+  else:  # every device holds every layer: the local init is the whole one
+    jax.tree.map(np.testing.assert_array_equal, inside(sharded),
+                 step(sharded, tx.init(steps[-1])))
+
 
 def test_layer_axis_with_inject_hyperparams_as_a_static_arg():
   steps = stacked_steps(steps=4)
