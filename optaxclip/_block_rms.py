@@ -123,7 +123,7 @@ def _layer_rms(leaves: list[jax.Array], keep: tuple[tuple[int, ...], ...],
   units = _norms.units(leaves, 2, reduction, keep)
   plain = rms_and_factors(units, [1.0] * len(leaves))
   if leaves and _norms.BUILD_RESCUE:
-    overflowed = jnp.any(jnp.isinf(jnp.concatenate(units.everywhere)))
+    overflowed = _norms.any_in_batch(jnp.isinf(jnp.concatenate(units.everywhere)))
 
     def rescued():
       shifts = [math.ceil(math.log2(max(size, 1)) / 2) for size in sizes]

@@ -569,6 +569,29 @@ def test_subnormal_per_example_norms():
                              rtol=1e-5, atol=2.0 ** -148)
 
 
+@pytest.mark.parametrize("ord", [1, 2, 3, math.inf])
+def test_vmap_decides_the_rescue_once_for_the_batch(ord):
+  # One example's squares overflow, another's underflow, two need nothing:
+  # the rescue runs once for all (a conditional, not a select that would
+  # run it for every example on every step) and every norm is right.
+  rng = np.random.default_rng(9)
+  x = rng.normal(size=(4, 5, 3)) * np.asarray([1.0, 1e25, 1e-25, 3.0])[:, None, None]
+  x = jnp.asarray(x, jnp.float32)
+  norm = functools.partial(F.global_norm, ord=ord)
+  batched = jax.jit(jax.vmap(norm))
+  if ord != math.inf:  # maxima need no rescue
+    assert "conditional" in batched.lower(x).compile().as_text()
+  want = [np.linalg.norm(np.asarray(row, np.float64).ravel(), ord) for row in x]
+  np.testing.assert_allclose(batched(x), want, rtol=2e-6)
+  # Gradients and tangents through the batched decision: as example by example.
+  grads = jax.grad(lambda t: jnp.sum(jax.vmap(norm)(t)))(x)
+  _, tangents = jax.jvp(jax.vmap(norm), (x,), (jnp.ones_like(x),))
+  for i, row in enumerate(x):
+    np.testing.assert_allclose(grads[i], jax.grad(norm)(row), rtol=1e-6)
+    np.testing.assert_allclose(tangents[i], jax.jvp(norm, (row,), (jnp.ones_like(row),))[1],
+                               rtol=1e-6)
+
+
 @pytest.mark.parametrize("ord", [100, 200, 1000, 1e5])
 def test_large_orders(ord):
   # Orders above 126 used to give 0: the rescaled largest entry (in
