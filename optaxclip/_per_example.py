@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optaxclip import _leaf_norms, _norms, _scaling, _sharding, _tree, _validation
+from optaxclip._grouping import GROUP_SIZE
 from optaxclip._sharding import whole_on_auto_mesh
 
 PyTree = Any
@@ -81,6 +82,31 @@ def _example_norms(fn: str, grads: PyTree, leaves: list[jax.Array], p: Any,
   kept = tuple((0,) + tuple(a + 1 for a in k) for k in keep)
   reduction = _norms.make_reduction(fn, grads, axis_name, specs, kept)
   return _norms.units(leaves, p, reduction, kept).here
+
+
+def _global_example_norms(fn: str, grads: PyTree, leaves: list[jax.Array], p: Any,
+                          axis_name: Any, specs: PyTree) -> jax.Array:
+  """Each example's ``p``-norm over all leaves, as a vector.
+
+  Off any mesh, each example's entries of all leaves are put side by side
+  (a row per example, per dtype and per ``GROUP_SIZE`` leaves) and the rows
+  are reduced: a few reductions for the whole tree, which compile in a
+  fraction of the time of one per leaf (measured: 250 leaves, 0.25 s
+  against 1.45 s). Leaves laid out on a mesh keep their own layouts: their
+  norms per example, then the norm of those.
+  """
+  if axis_name is None and all(_sharding.layout_spec(x) is None for x in leaves):
+    by_dtype: dict[Any, list[jax.Array]] = {}
+    for x in leaves:
+      by_dtype.setdefault(x.dtype, []).append(x.reshape(x.shape[0], -1))
+    leaves = [jnp.concatenate(rows[start:start + GROUP_SIZE], axis=1)
+              for rows in by_dtype.values()
+              for start in range(0, len(rows), GROUP_SIZE)]
+    grads, specs = leaves, None
+  norms = _example_norms(fn, grads, leaves, p, axis_name, specs, ((),) * len(leaves))
+  if len(norms) == 1:
+    return norms[0]
+  return _norms.leaf_norms([jnp.stack(norms)], p, _norms.LOCAL, ((1,),))
 
 
 def _factors(norms: jax.Array, max_norm: Any) -> jax.Array:
@@ -169,10 +195,7 @@ def per_example_clip_by_global_norm(grads: PyTree, max_norm: Any, *,
   if not leaves:
     return PerExampleClip(grads, jnp.zeros([], jnp.int32),
                           jnp.zeros([batch], jnp.float32))
-  per_leaf = _example_norms(fn, grads, leaves, p, axis_name, specs,
-                            ((),) * len(leaves))
-  # Each example's norm over all leaves: the norm of its leaf norms.
-  norms = _norms.leaf_norms([jnp.stack(per_leaf)], p, _norms.LOCAL, ((1,),))
+  norms = _global_example_norms(fn, grads, leaves, p, axis_name, specs)
   factors = _factors(norms, max_norm)
   summed = _tree.map_clippable_indexed(lambda x, _: _weighted_sum(factors, x), grads)
   num_clipped = jnp.sum(factors < 1, dtype=jnp.int32)

@@ -409,3 +409,22 @@ def test_one_all_reduce_with_the_batch_split(name):
              for k, x in dp_tree().items()}
   main, _ = hlo_ops(jax.jit(f).lower(structs).compile().as_text(), "all-reduce")
   assert main == 1, f"{name}: {main} all-reduces on the main path"
+
+
+def test_global_norms_of_many_leaves_of_two_dtypes():
+  # Each example's entries of all leaves side by side, per dtype and in
+  # groups of leaves: the same norms as the whole rows in float64.
+  rng = np.random.default_rng(11)
+  dtypes = (jnp.float32, jnp.bfloat16)
+  grads = [jnp.asarray(rng.normal(size=(BATCH, 1 + i % 3)) * 10.0 ** (i % 5 - 2), dtypes[i % 2])
+           for i in range(600)]
+  result = jax.jit(per_example_clip_by_global_norm)(grads, 1.0)
+  rows = np.concatenate([np.asarray(g, np.float64) for g in grads], axis=1)
+  norms = np.linalg.norm(rows, axis=1)
+  np.testing.assert_allclose(result.norms, norms, rtol=1e-6)
+  factors = np.minimum(1.0, 1.0 / norms)
+  for got, g in zip(result.summed, grads):  # float32 sums, rounded to the dtype
+    g = np.asarray(g, np.float64)
+    rtol = 1e-6 if grads[0].dtype == got.dtype else 4e-3
+    np.testing.assert_allclose(got, factors @ g, rtol=rtol,
+                               atol=rtol * np.max(factors @ np.abs(g)))
