@@ -91,18 +91,19 @@ def _global_example_norms(fn: str, grads: PyTree, leaves: list[jax.Array], p: An
   Off any mesh, each example's entries of all leaves are put side by side
   (a row per example, per dtype and per ``GROUP_SIZE`` leaves) and the rows
   are reduced: a few reductions for the whole tree, which compile in a
-  fraction of the time of one per leaf (measured: 250 leaves, 0.25 s
-  against 1.45 s). Leaves laid out on a mesh keep their own layouts: their
-  norms per example, then the norm of those.
+  fraction of the time of one per leaf (measured on 250 leaves, the norms
+  alone: 0.25 s against 1.45 s). Leaves laid out on a mesh keep their own
+  layouts: their norms per example, then the norm of those.
   """
-  if axis_name is None and all(_sharding.layout_spec(x) is None for x in leaves):
+  if axis_name is None and specs is None and all(
+      _sharding.layout_spec(x) is None for x in leaves):
     by_dtype: dict[Any, list[jax.Array]] = {}
     for x in leaves:
       by_dtype.setdefault(x.dtype, []).append(x.reshape(x.shape[0], -1))
     leaves = [jnp.concatenate(rows[start:start + GROUP_SIZE], axis=1)
               for rows in by_dtype.values()
               for start in range(0, len(rows), GROUP_SIZE)]
-    grads, specs = leaves, None
+    grads = leaves
   norms = _example_norms(fn, grads, leaves, p, axis_name, specs, ((),) * len(leaves))
   if len(norms) == 1:
     return norms[0]
