@@ -117,17 +117,17 @@ class Reduction(NamedTuple):
       pieces.append(block)
     return jnp.concatenate(pieces)
 
-  def whole_count(self, leaf: int, local: int, *, kept: bool = False) -> int:
-    """``local``, a count of leaf ``leaf``'s entries on this device, over
-    all devices: of its reduced axes (default), or with ``kept`` of its
-    kept axes (layers, units). Under ``shard_map`` a device holds a shard."""
+  def whole_count(self, leaf: int, local: int) -> int:
+    """``local``, a count of leaf ``leaf``'s entries on this device along
+    its reduced axes, over all devices (under ``shard_map`` a device holds
+    a shard; a kept axis split over the mesh holds other units, not more
+    entries of these)."""
     replicated = () if self.replicated_axes is None else (
         self.replicated_axes[leaf])
     split_kept = () if self.split_kept_axes is None else (
         self.split_kept_axes[leaf])
-    splitting = (split_kept if kept else
-                 [a for a in self.axis_names
-                  if a not in replicated and a not in split_kept])
+    splitting = [a for a in self.axis_names
+                 if a not in replicated and a not in split_kept]
     return local * math.prod(lax.axis_size(axis) for axis in splitting)
 
   def device_count(self) -> int:
