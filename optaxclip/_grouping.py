@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optaxclip._sharding import gathered, layout_spec
+from optaxclip._layout import gathered, layout_spec
 
 # Leaves up to this many elements are grouped with others.
 GROUP_LIMIT = 1 << 15
@@ -66,7 +66,7 @@ class Group(NamedTuple):
     return _take(per_unit, self.units)
 
 
-def _layout(x: jax.Array) -> Any:
+def _stacking_layout(x: jax.Array) -> Any:
   """What two leaves must share to be stacked without moving data.
 
   Unsharded leaves share everything; on an Explicit mesh, leaves with the
@@ -85,7 +85,7 @@ def _plan(leaves: Sequence[jax.Array], keep: Sequence[Keep], *,
   """Which leaves go together: ``(merged, leaf indices)`` per group."""
   by_key: dict[Any, list[int]] = {}
   for i, (x, kept) in enumerate(zip(leaves, keep)):
-    layout = _layout(x)
+    layout = _stacking_layout(x)
     if x.size > GROUP_LIMIT or layout is None:
       key = i
     elif merge and layout == ():

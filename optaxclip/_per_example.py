@@ -24,9 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optaxclip import _leaf_norms, _norms, _scaling, _sharding, _tree, _validation
+from optaxclip import _layout, _leaf_norms, _norms, _scaling, _tree, _validation
 from optaxclip._grouping import GROUP_SIZE
-from optaxclip._sharding import whole_on_auto_mesh
 
 PyTree = Any
 
@@ -96,7 +95,7 @@ def _global_example_norms(fn: str, grads: PyTree, leaves: list[jax.Array], p: An
   layouts: their norms per example, then the norm of those.
   """
   if axis_name is None and specs is None and all(
-      _sharding.layout_spec(x) is None for x in leaves):
+      _layout.layout_spec(x) is None for x in leaves):
     by_dtype: dict[Any, list[jax.Array]] = {}
     for x in leaves:
       by_dtype.setdefault(x.dtype, []).append(x.reshape(x.shape[0], -1))
@@ -130,10 +129,10 @@ def _weighted_sum(factors: jax.Array, x: jax.Array, axis: int | None = None
   entries = string.ascii_letters[1:x.ndim]  # one example's axes
   weights = "a" if axis is None else "a" + entries[axis]
   total = jnp.einsum(f"{weights},a{entries}->{entries}",
-                     whole_on_auto_mesh(factors.astype(acc)), x,
+                     _layout.whole_on_auto_mesh(factors.astype(acc)), x,
                      precision=jax.lax.Precision.HIGHEST,
                      preferred_element_type=acc,
-                     out_sharding=_sharding.without_leading_axis(x))
+                     out_sharding=_layout.without_leading_axis(x))
   return total.astype(x.dtype)
 
 

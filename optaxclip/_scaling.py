@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from optaxclip import _tree
-from optaxclip._sharding import whole_on_auto_mesh
+from optaxclip._layout import whole_on_auto_mesh
 
 PyTree = Any
 
