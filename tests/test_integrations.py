@@ -184,15 +184,27 @@ SCAN_CLIPS = {
 }
 
 
+def _assert_trees_close(actual, expected):
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               actual, expected)
+
+
+def _f64_norm(leaf):
+  return np.linalg.norm(np.asarray(leaf, np.float64).ravel())
+
+
+def _with_gradients(scanned_and_twin):
+  """``(params, grads)`` of the scanned model and of its twin."""
+  (params, loss), (twin_params, twin_loss) = scanned_and_twin
+  return (params, jax.grad(loss)(params)), (twin_params, jax.grad(twin_loss)(twin_params))
+
+
 @pytest.mark.parametrize("clip", sorted(SCAN_CLIPS))
 def test_nnx_scan_layer_norms_and_step_match_unscanned_twin(clip):
   nnx = pytest.importorskip("flax.nnx")
-  (params, loss), (twin_params, twin_loss) = _scanned_and_twin(nnx)
-  grads = jax.grad(loss)(params)
-  twin_grads = jax.grad(twin_loss)(twin_params)
+  (params, grads), (twin_params, twin_grads) = _with_gradients(_scanned_and_twin(nnx))
   # The scan and the unrolled loop compute the same gradients, per layer.
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-               _unstack(grads), twin_grads)
+  _assert_trees_close(_unstack(grads), twin_grads)
 
   tx = optax.chain(SCAN_CLIPS[clip](layer_axis=SCAN_LAYER_AXIS), optax.sgd(0.1))
   twin_tx = optax.chain(SCAN_CLIPS[clip](), optax.sgd(0.1))
@@ -208,8 +220,7 @@ def test_nnx_scan_layer_norms_and_step_match_unscanned_twin(clip):
   assert len(layer_keys) == 2 * SCAN_LAYERS  # kernel and bias, per layer
   for i in range(SCAN_LAYERS):
     for name in ("kernel", "bias"):
-      reference = np.linalg.norm(np.asarray(twin_grads["blocks"][i]["lin"][name],
-                                            np.float64).ravel())
+      reference = _f64_norm(twin_grads["blocks"][i]["lin"][name])
       scanned_norm = stats[f"clip/leaf_norm/blocks/lin/{name}/{i}"]
       np.testing.assert_allclose(scanned_norm, reference, rtol=1e-5)
       np.testing.assert_allclose(scanned_norm,
@@ -226,17 +237,14 @@ def test_nnx_scan_layer_norms_and_step_match_unscanned_twin(clip):
   # The step: the scanned model's updated params are the twin's, layer by layer.
   updated = step(tx, grads, tx.init(params), params)
   twin_updated = step(twin_tx, twin_grads, twin_tx.init(twin_params), twin_params)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-               _unstack(updated), twin_updated)
+  _assert_trees_close(_unstack(updated), twin_updated)
   # Independently: each twin leaf moved by -0.1 * its clipped gradient.
   def clipped(g):
-    norm = np.linalg.norm(np.asarray(g, np.float64).ravel())
-    return np.asarray(g, np.float64) * min(1.0, SCAN_MAX_NORM / norm)
+    return np.asarray(g, np.float64) * min(1.0, SCAN_MAX_NORM / _f64_norm(g))
   if clip == "clip_by_norm":
     expected = jax.tree.map(lambda p, g: np.asarray(p, np.float64) - 0.1 * clipped(g),
                             twin_params, twin_grads)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-                 _unstack(updated), expected)
+    _assert_trees_close(_unstack(updated), expected)
 
 
 
@@ -295,21 +303,10 @@ def _linen_unstack(tree):
                      "head": stacked["head"]}}
 
 
-def _assert_trees_close(actual, expected):
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-               actual, expected)
-
-
-def _f64_norm(leaf):
-  return np.linalg.norm(np.asarray(leaf, np.float64).ravel())
-
-
 @pytest.mark.parametrize("clip", sorted(SCAN_CLIPS))
 def test_linen_scan_layer_norms_and_step_match_unscanned_twin(clip):
   nn = pytest.importorskip("flax.linen")
-  (params, loss), (twin_params, twin_loss) = _linen_scanned_and_twin(nn)
-  grads = jax.grad(loss)(params)
-  twin_grads = jax.grad(twin_loss)(twin_params)
+  (params, grads), (twin_params, twin_grads) = _with_gradients(_linen_scanned_and_twin(nn))
   # The scan and the unrolled loop compute the same gradients, per layer.
   _assert_trees_close(_linen_unstack(grads), twin_grads)
 
@@ -365,9 +362,7 @@ def test_linen_scan_layer_norms_and_step_match_unscanned_twin(clip):
 
 def test_linen_scan_adaptive_grad_clip_matches_unscanned_twin():
   nn = pytest.importorskip("flax.linen")
-  (params, loss), (twin_params, twin_loss) = _linen_scanned_and_twin(nn)
-  grads = jax.grad(loss)(params)
-  twin_grads = jax.grad(twin_loss)(twin_params)
+  (params, grads), (twin_params, twin_grads) = _with_gradients(_linen_scanned_and_twin(nn))
 
   tx = oc.adaptive_grad_clip(0.01, layer_axis=LINEN_LAYER_AXIS)
   updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
