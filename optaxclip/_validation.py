@@ -18,6 +18,8 @@ transform's docstring says what that means for its arguments.
 
 import math
 import numbers
+import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -222,28 +224,30 @@ def check_specs(fn: str, specs: Any, axis_name: Any) -> Any:
 
 
 def check_integer(fn: str, arg: str, value: Any, minimum: int) -> Any:
-  """An int >= ``minimum``; a scalar integer array too (injected).
+  """An integer >= ``minimum``: an int, or a number or scalar array whose
+  value is integral (``optax.inject_hyperparams(...,
+  hyperparam_dtype=jnp.float32)`` and float schedules give float arrays).
 
-  Traced: clamped to ``minimum`` from below.
+  Traced: rounded to the nearest integer, then clamped to ``minimum`` from
+  below (NaN to ``minimum``).
   """
-  if isinstance(value, (np.ndarray, np.generic, jax.Array)) and \
-      not isinstance(value, (bool, np.bool_)) and \
-      jnp.issubdtype(value.dtype, jnp.integer):
-    if value.shape != ():
-      raise TypeError(f"{_where(fn, arg)} must be a scalar, got an array of "
-                      f"shape {value.shape}")
-    if is_traced(value):
-      return clamp(value, minimum)
-    number = int(value)
-  elif isinstance(value, (bool, np.bool_)) or not isinstance(
-      value, numbers.Integral):
+  if isinstance(value, (np.ndarray, np.generic, jax.Array)) and value.shape != ():
+    raise TypeError(f"{_where(fn, arg)} must be a scalar, got an array of "
+                    f"shape {value.shape}")
+  number = None
+  if not isinstance(value, (bool, np.bool_)) and isinstance(
+      value, (numbers.Real, np.ndarray, np.generic, jax.Array)):
+    number = scalar(fn, arg, value)
+  if is_traced(number):
+    rounded = jnp.round(number) if jnp.issubdtype(number.dtype, jnp.floating) \
+        else number
+    return clamp(rounded, minimum)
+  if number is None or not float(number).is_integer():
     raise TypeError(f"{_where(fn, arg)} must be an int >= {minimum}, got "
                     f"{value!r:.80} of type {type(value).__name__}")
-  else:
-    number = int(value)
   if number < minimum:
     raise ValueError(f"{_where(fn, arg)} must be an int >= {minimum}, got {value!r}")
-  return value
+  return int(number) if isinstance(value, numbers.Real) else value
 
 
 def check_buffer_size(fn: str, arg: str, value: Any) -> int | None:
@@ -307,10 +311,48 @@ def is_layer_axis(x: Any) -> bool:
                        and not isinstance(x, (bool, np.bool_)))
 
 
+def _scheduled_by_inject_hyperparams(arg: str) -> bool:
+  """Whether the transform being built gets ``arg`` from a callable that
+  ``optax.inject_hyperparams`` took for a schedule.
+
+  inject_hyperparams calls every callable argument not in ``static_args``
+  with the step count and passes the result on, so a callable of the
+  gradients (``groups=``, ``layer_axis=``) would silently become whatever
+  it returns for a scalar. The result cannot tell; the builder's caller
+  can: inject_hyperparams's ``init_fn``/``update_fn`` hold the scheduled
+  arguments in ``sched_hps``. Reading a private frame only ever adds an
+  error: if optax renames these, the check finds nothing (a test pins it).
+  """
+  frame = sys._getframe(2)
+  for _ in range(12):  # the builder, its helpers and a user's wrapper
+    if frame is None:
+      return False
+    code = frame.f_code
+    if (code.co_name in ("init_fn", "update_fn")
+        and code.co_filename.endswith(os.path.join("schedules", "_inject.py"))):
+      scheduled = frame.f_locals.get("sched_hps")
+      return isinstance(scheduled, dict) and arg in scheduled
+    frame = frame.f_back
+  return False
+
+
+def check_not_scheduled(fn: str, arg: str) -> None:
+  """A TypeError when ``arg``, a tree or a callable of the gradients, came
+  through ``optax.inject_hyperparams`` as a schedule (see above)."""
+  if _scheduled_by_inject_hyperparams(arg):
+    raise TypeError(
+        f"{_where(fn, arg)} is a callable, which optax.inject_hyperparams "
+        f"calls as a schedule of the step count (not of the gradients), so the "
+        f"transform would get what it returns for a scalar. List it in "
+        f"static_args: optax.inject_hyperparams(optaxclip.{fn}, "
+        f"static_args=({arg!r},))")
+
+
 def check_layer_axis(fn: str, layer_axis: Any) -> Any:
   """``layer_axis``: None, an int, a tree prefix with int or None leaves,
   or a callable returning one; whether it fits the gradients is only known
   at ``update``."""
+  check_not_scheduled(fn, "layer_axis")
   if callable(layer_axis) and not isinstance(layer_axis, jax.Array):
     return layer_axis
   for axis in jax.tree.leaves(layer_axis, is_leaf=is_layer_axis):
