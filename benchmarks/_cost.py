@@ -9,6 +9,7 @@ AdamW alone (the norm's read; the factor fuses into AdamW's own pass).
 """
 
 import multiprocessing
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,7 @@ class NoBuildWithoutRescue(RuntimeError):
   """The library changed: the build without the rescue branch cannot be made."""
 
 
-_without_rescue = False  # whether this process patched the rescue branch out
+_without_rescue = False  # whether this process builds norms without the rescue
 
 
 def bytes_accessed(fn: Callable[..., Any], *args: Any) -> float:
@@ -30,8 +31,8 @@ def bytes_accessed(fn: Callable[..., Any], *args: Any) -> float:
   compiled = jax.jit(fn).lower(*args).compile()
   if _without_rescue and " conditional(" in compiled.as_text():  # the HLO op
     raise NoBuildWithoutRescue(
-        "benchmarks/_cost.py: a program still has a conditional after patching "
-        "`_norms.BUILD_RESCUE`: the rescue is built elsewhere now; "
+        "benchmarks/_cost.py: a program still has a conditional with "
+        "OPTAXCLIP_RESCUE=off: the rescue is built elsewhere now; "
         "update without_rescue_branch()")
   analysis = compiled.cost_analysis()
   if isinstance(analysis, list):  # older jax: one dict per computation
@@ -78,23 +79,17 @@ def traffic(clip_names: list[str], trees: dict[str, Any], *, rescue: bool = True
 
 
 def without_rescue_branch() -> None:
-  """Replaces the norm's overflow rescue by its untaken side, in this process.
+  """Builds norms without their overflow rescue, in this process.
 
   Cost analysis counts both sides of the norm's `lax.cond`, though the
   rescue runs only when the plain sum of squares overflows or underflows; a
-  build without it measures the rescue's share of the traffic. A stopgap
-  through the library's `_norms.BUILD_RESCUE` switch: every program compiled
-  afterwards is checked to have no
-  conditional left (`bytes_accessed` raises otherwise). Call it only in a
-  fresh process: nothing else should run with a patched library.
+  build without it measures the rescue's share of the traffic. Through the
+  library's documented setting `OPTAXCLIP_RESCUE=off` (docs/design.md):
+  every program compiled afterwards is checked to have no conditional left
+  (`bytes_accessed` raises otherwise). Call it only in a fresh process:
+  nothing else should run without the rescue.
   """
-  from optaxclip import _norms
-  if not hasattr(_norms, "BUILD_RESCUE"):
-    raise NoBuildWithoutRescue(
-        "benchmarks/_cost.py: optaxclip._norms no longer has `BUILD_RESCUE`: "
-        "the build without the rescue branch cannot be made; update "
-        "without_rescue_branch() to the library's new hook")
-  _norms.BUILD_RESCUE = False  # the branch's untaken side: the plain sums
+  os.environ["OPTAXCLIP_RESCUE"] = "off"
   jax.clear_caches()  # the norms are jit-cached: none traced before may stay
   global _without_rescue
   _without_rescue = True

@@ -16,6 +16,8 @@ from optaxclip._autoclip import AutoClipState as AutoClipState
 from optaxclip._autoclip import auto_clip as auto_clip
 from optaxclip._block_rms import BlockRMSState as BlockRMSState
 from optaxclip._block_rms import clip_by_block_rms as clip_by_block_rms
+from optaxclip._clip_state import ClipState as ClipState
+from optaxclip._groups import GroupClipState as GroupClipState
 from optaxclip._loss_scale import LossScaleState as LossScaleState
 from optaxclip._loss_scale import LossScaleWrapperState as LossScaleWrapperState
 from optaxclip._loss_scale import dynamic_loss_scale as dynamic_loss_scale
@@ -23,7 +25,6 @@ from optaxclip._loss_scale import loss_scale as loss_scale
 from optaxclip._microbatch import MicrobatchGuardState as MicrobatchGuardState
 from optaxclip._microbatch import microbatch_guard as microbatch_guard
 from optaxclip._nonfinite import NonFiniteGradientError as NonFiniteGradientError
-from optaxclip._norm_clipping import ClipState as ClipState
 from optaxclip._norm_clipping import clip_by_global_norm as clip_by_global_norm
 from optaxclip._norm_clipping import clip_by_norm as clip_by_norm
 from optaxclip._norm_clipping import clip_grad_norm as clip_grad_norm
@@ -44,6 +45,7 @@ __all__ = [
     "AutoClipState",
     "BlockRMSState",
     "ClipState",
+    "GroupClipState",
     "LossScaleState",
     "LossScaleWrapperState",
     "MicrobatchGuardState",

@@ -18,13 +18,11 @@ import jax.numpy as jnp
 import optax
 
 from optaxclip import (
+  _core,
   _counters,
-  _leaf_norms,
-  _norms,
   _running_stats,
   _scaling,
   _stats,
-  _tree,
   _validation,
 )
 from optaxclip._types import AxisName, Scalar
@@ -195,43 +193,23 @@ def adagc(*, lambda_abs: Scalar = 1.0, lambda_rel: Scalar = 1.05, beta: Scalar =
   beta = _validation.check_unit_interval(fn, "beta", beta)
   warmup_steps = _validation.check_integer(fn, "warmup_steps", warmup_steps, 1)
   eps = _validation.check_nonnegative(fn, "eps", eps)
-  _validation.check_specs(fn, specs, axis_name)
-  _validation.check_layer_axis(fn, layer_axis)
+  where = _core.Where.of(fn, axis_name, specs)
+  layers = _core.layers(_validation.check_layer_axis(fn, layer_axis))
 
   def init_fn(params):
-    return AdaGCState.fresh(_running_stats.statistics_dtype(params),
-                            sum(_tensor_counts(fn, params, layer_axis)))
+    return AdaGCState.fresh(_running_stats.statistics_dtype(params), sum(
+        math.prod(shape) for shape in _core.unit_shapes(fn, params, layers)))
 
   def update_fn(updates, state, params=None):
     del params
     _validation.check_update(fn, updates, state, AdaGCState)
-    leaves = _tree.clippable_leaves(updates)
-    keep = _leaf_norms.layer_keep(fn, updates, layer_axis)
-    reduction = _norms.make_reduction(fn, updates, axis_name, specs, keep)
-    # Per leaf, its tensors here and (a layer axis split over the mesh) on
-    # all devices: every device keeps every layer's threshold.
-    counts = tuple(_tensor_counts(fn, updates, layer_axis))
-    total = sum(reduction.unit_counts(counts))
-    if total != state.gamma.shape[0]:
-      what = (f"{len(leaves)} floating leaves" if keep is None else
-              f"{total} (layer slices of {len(leaves)} floating leaves)")
-      where = ("the whole parameters, outside shard_map (every device keeps "
-               "every layer's threshold, and its layers are split here)"
-               if reduction.split_kept_axes is not None else
-               "the parameters (or a tree of the same structure)")
-      raise ValueError(
-          f"`{fn}`: the state has a threshold for {state.gamma.shape[0]} "
-          f"tensors but the updates have {what}; call init with {where}")
+    measured = _core.measure(fn, updates, 2, where, layers)
+    _check_tensors(fn, state, measured, layer_axis)
     dtype = state.gamma.dtype  # the statistics' (see init), every step
-    if keep is None:
-      norms = _norms.leaf_norms(leaves, 2, reduction).astype(dtype)
-    else:
-      norms = jnp.concatenate(
-          _norms.units(leaves, 2, reduction, keep).everywhere
-          or [jnp.zeros([0])]).astype(dtype)
+    norms = measured.units.astype(dtype)
     # The global norm from the per-tensor norms: no second pass over the
     # updates, no second all-reduce, and the same overflow-safe norm.
-    norm = _norms.norm_of_leaves([norms], 2, _norms.LOCAL)
+    norm = _core.norm_of([norms], 2)
     finite = jnp.isfinite(norm)
     # Finite steps only: the thresholds need one finite norm to start from.
     warming = state.count - state.nonfinite_count < warmup_steps
@@ -260,19 +238,24 @@ def adagc(*, lambda_abs: Scalar = 1.0, lambda_rel: Scalar = 1.05, beta: Scalar =
         scale=jnp.min(factors, initial=1.0).astype(dtype),
         clipped_tensors=clipped,
         **_counters.step_counts(state, finite=finite, clipped=clipped > 0))
-    if keep is not None:  # one factor per slice here, to broadcast on its leaf
-      factors = [f.reshape([d if i in kept else 1 for i, d in enumerate(x.shape)])
-                 for f, x, kept in zip(reduction.local_parts(factors, counts),
-                                       leaves, keep)]
-    return _scaling.scale_leaves(updates, factors), new_state
+    return _scaling.scale_leaves(updates, measured.to_leaves(factors)), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _tensor_counts(fn: str, tree: PyTree, layer_axis: PyTree) -> list[int]:
-  """Per clippable leaf, its number of tensors: 1, or its layers."""
-  leaves = _tree.clippable_leaves(tree)
-  keep = (_leaf_norms.layer_keep(fn, tree, layer_axis)
-          or ((),) * len(leaves))
-  return [math.prod(x.shape[a] for a in kept)
-          for x, kept in zip(leaves, keep)]
+def _check_tensors(fn: str, state: AdaGCState, measured: _core.Measured,
+                   layer_axis: PyTree) -> None:
+  """The state has one threshold per tensor of these updates, or an error
+  that says which ``init`` to call."""
+  tensors, leaves = measured.units.shape[0], len(measured.here())
+  if tensors == state.gamma.shape[0]:
+    return
+  what = (f"{leaves} floating leaves" if layer_axis is None else
+          f"{tensors} (layer slices of {leaves} floating leaves)")
+  where = ("the whole parameters, outside shard_map (every device keeps "
+           "every layer's threshold, and its layers are split here)"
+           if measured.split else
+           "the parameters (or a tree of the same structure)")
+  raise ValueError(
+      f"`{fn}`: the state has a threshold for {state.gamma.shape[0]} "
+      f"tensors but the updates have {what}; call init with {where}")

@@ -26,17 +26,8 @@ import numpy as np
 import optax
 from optax._src import base as optax_base
 
-from optaxclip import (
-    _counters,
-    _leaf_norms,
-    _norms,
-    _scaling,
-    _stats,
-    _tree,
-    _validation,
-)
-
-PyTree = Any
+from optaxclip import _core, _counters, _scaling, _stats, _tree, _validation
+from optaxclip._types import AxisName, PyTree, Scalar
 
 # optax's unitwise_clip divides by max(norm, 1e-6): kept for equal numbers.
 DIV_EPS = 1e-6
@@ -74,7 +65,12 @@ _stats.register(AGCState, "agc",
                 extras=lambda state: {"clip_rate": _counters.clip_rate(state)})
 
 
-def _check_axis(fn: str, axis: Any) -> tuple[int, ...] | None:
+# The axes one AGC unit spans: an int or a tuple of ints, or None (optax's
+# choice by rank).
+Axis = int | tuple[int, ...] | None
+
+
+def _check_axis(fn: str, axis: Axis) -> tuple[int, ...] | None:
   if axis is None:
     return None
   if isinstance(axis, jax.Array):
@@ -90,120 +86,48 @@ def _check_axis(fn: str, axis: Any) -> tuple[int, ...] | None:
   return tuple(int(a) for a in axes)
 
 
-def _unit_axes(fn: str, where: str, shape: tuple[int, ...],
-               axis: tuple[int, ...] | None) -> tuple[int, ...]:
-  """The axes one unit of an array of ``shape`` spans (reduced), as optax
-  chooses them."""
-  ndim = len(shape)
-  if ndim == 0:
-    return ()
-  if axis is not None:
-    if any(not -ndim <= a < ndim for a in axis):
-      raise ValueError(
-          f"`{fn}(axis={axis})` is out of range for {where} of shape "
-          f"{tuple(shape)}")
-    return tuple(sorted({a % ndim for a in axis}))
-  if sum(d != 1 for d in shape) <= 1:  # scalars and vectors: one unit
-    return tuple(range(ndim))
-  if ndim in (2, 3):  # linear IO, multi-head linear
-    return (0,)
-  if ndim == 4:  # conv HWIO
-    return (0, 1, 2)
-  if ndim == 5:  # conv 3-D DHWIO
-    return (0, 1, 2, 3)
-  raise ValueError(
-      f"`{fn}`: {where} has shape {tuple(shape)}; units are known for up to "
-      f"5 dimensions, pass `axis=` (the axes one unit spans) for others")
-
-
-def unit_keep(fn: str, where: str, shape: tuple[int, ...],
-              axis: tuple[int, ...] | None, layer: tuple[int, ...] = ()
-              ) -> tuple[int, ...]:
-  """The axes the units of an array of ``shape`` keep: all but the unit
-  axes; with a layer axis (``layer = (l,)``), that axis too, the unit axes
-  being chosen (and ``axis`` read) on one layer's slice, as optax would
-  for that layer alone. Units then never mix layers."""
-  if not layer:
-    reduced = _unit_axes(fn, where, shape, axis)
-    return tuple(a for a in range(len(shape)) if a not in reduced)
-  (stacked,) = layer
-  one_layer = tuple(shape[:stacked]) + tuple(shape[stacked + 1:])
-  reduced = _unit_axes(
-      fn, f"{where} (one layer's slice, layer_axis={stacked})", one_layer, axis)
-  kept = [a + (a >= stacked) for a in range(len(one_layer)) if a not in reduced]
-  return tuple(sorted([stacked, *kept]))
-
-
-def _kept_axes(fn: str, updates: PyTree, axis: tuple[int, ...] | None,
-               layer_axis: PyTree = None, specs: PyTree = None
-               ) -> tuple[tuple[int, ...], ...]:
-  """Per clippable leaf, the axes its units keep (see ``unit_keep``)."""
-  leaves = _tree.clippable_leaves_with_paths(updates)
-  layers = (_leaf_norms.layer_keep(fn, updates, layer_axis)
-            or ((),) * len(leaves))
-  return tuple(unit_keep(fn, f"leaf {path}", shape, axis, layer)
-               for (path, _), shape, layer in zip(
-                   leaves, _norms.whole_shapes(fn, updates, specs), layers))
-
-
 def unit_factors(g_norm: jax.Array, max_norm: jax.Array,
-                 div_eps: Any = DIV_EPS) -> jax.Array:
+                 div_eps: Scalar = DIV_EPS) -> jax.Array:
   """optax's unitwise clip as a factor: 1 where ``g_norm < max_norm``,
   else ``max_norm / max(g_norm, div_eps)`` (NaN where either is NaN)."""
   return jnp.where(g_norm < max_norm, 1,
                    max_norm / jnp.maximum(g_norm, jnp.asarray(div_eps, g_norm.dtype)))
 
 
-def _clip(fn: str, updates: PyTree, params: PyTree, clipping: Any, eps: Any,
-          axis: Any, axis_name: Any, specs: PyTree, layer_axis: PyTree = None):
+def _clip(fn: str, updates: PyTree, params: PyTree, clipping, eps,
+          where: _core.Where, kept: _core.Kept):
   """The clipped updates and ``(clipped units, units, min factor, finite)``."""
   weights = _paired_params(fn, updates, params)
-  keep = _kept_axes(fn, updates, axis, layer_axis, specs)
-  reduction = _norms.make_reduction(fn, updates, axis_name, specs, keep)
-  grads = _tree.clippable_leaves(updates)
-  if not grads:
+  if not weights:
     one, zero = jnp.ones([], jnp.float32), jnp.zeros([], jnp.float32)
     return updates, (zero, zero, one, jnp.bool_(True))
   # Gradients and parameters together: one all-reduce, one rescue check.
-  both = grads + weights
-  units = _norms.units(both, 2, reduction.repeated(2), keep * 2,
-                       keepdims=True)
-  clipping = jnp.asarray(clipping, jnp.float32)
-
-  def factors_of(g, p):
-    # optax: unclipped when g < limit, else limit / max(g, 1e-6).
-    return unit_factors(g, clipping * jnp.maximum(p, jnp.asarray(eps, p.dtype)))
-
-  n = len(grads)
-  factors = [factors_of(g, p) for g, p in zip(units.here[:n], units.here[n:])]
-  clipped = _scaling.scale_leaves(updates, factors)
-  # Statistics over every device's units, each once: no second all-reduce.
-  if reduction.split_kept_axes is None:  # every device holds every unit
-    everywhere = jnp.concatenate([f.reshape(-1) for f in factors])
-  else:
-    everywhere = jnp.concatenate([factors_of(g, p) for g, p in zip(
-        units.everywhere[:n], units.everywhere[n:])])
-  clipped_units = jnp.sum(everywhere < 1, dtype=jnp.float32)
-  all_units = jnp.asarray(everywhere.size, jnp.float32)
-  smallest = jnp.min(everywhere, initial=1.0)
-  finite = jnp.all(jnp.isfinite(jnp.concatenate(units.everywhere[:n])))
-  return clipped, (clipped_units, all_units, smallest, finite)
+  grads, params = _core.measure(fn, updates, 2, where, kept, alongside=weights)
+  limits = jnp.asarray(clipping, jnp.float32) * jnp.maximum(
+      params.units, jnp.asarray(eps, params.units.dtype))
+  # optax: unclipped when g < limit, else limit / max(g, 1e-6); computed once,
+  # for every device's units (statistics need no second all-reduce).
+  factors = unit_factors(grads.units, limits)
+  clipped = _scaling.scale_leaves(updates, grads.to_leaves(factors))
+  return clipped, (jnp.sum(factors < 1, dtype=jnp.float32),
+                   jnp.asarray(factors.size, jnp.float32),
+                   jnp.min(factors, initial=1.0),
+                   jnp.all(jnp.isfinite(grads.units)))
 
 
-def _check(fn: str, clipping: Any, eps: Any, axis: Any, axis_name: Any,
-           specs: PyTree, layer_axis: PyTree = None
-           ) -> tuple[Any, Any, tuple[int, ...] | None]:
-  """``(clipping, eps, axes)``, checked (clamped when traced)."""
+def _check(fn: str, clipping: Scalar, eps: Scalar, axis: Axis,
+           axis_name: AxisName, specs: PyTree, layer_axis: PyTree = None):
+  """``(clipping, eps, where, kept)``, checked (clamped when traced)."""
   clipping = _validation.check_nonnegative(fn, "clipping", clipping)
   eps = _validation.check_nonnegative(fn, "eps", eps)
   axes = _check_axis(fn, axis)
   _validation.check_layer_axis(fn, layer_axis)
-  if _validation.check_axis_name(fn, axis_name) and specs is None:
+  where = _core.Where.of(fn, axis_name, specs)
+  if where.axis_names and specs is None:
     raise ValueError(
         f"`{fn}(axis_name=...)` needs `specs`: whether a unit's norm is summed "
         f"across devices depends on which dimensions of each leaf are split")
-  _validation.check_specs(fn, specs, axis_name)
-  return clipping, eps, axes
+  return clipping, eps, where, _core.agc_units(axes, layer_axis)
 
 
 def _paired_params(fn: str, updates: PyTree, params: PyTree) -> list[Any]:
@@ -243,9 +167,9 @@ def _paired_params(fn: str, updates: PyTree, params: PyTree) -> list[Any]:
   return weights
 
 
-def adaptive_grad_clip_fn(updates: PyTree, params: PyTree, clipping: Any, *,
-                          eps: Any = 1e-3, axis: Any = None,
-                          axis_name: Any = None, specs: PyTree = None,
+def adaptive_grad_clip_fn(updates: PyTree, params: PyTree, clipping: Scalar, *,
+                          eps: Scalar = 1e-3, axis: Axis = None,
+                          axis_name: AxisName = None, specs: PyTree = None,
                           layer_axis: PyTree = None) -> PyTree:
   """Clips each unit of ``updates`` to ``clipping`` times its parameter norm.
 
@@ -259,22 +183,17 @@ def adaptive_grad_clip_fn(updates: PyTree, params: PyTree, clipping: Any, *,
     params: the parameters, with the structure and leaf shapes of
       ``updates`` (a ValueError names the first leaf that differs).
     clipping: the largest ratio of gradient norm to parameter norm (>= 0).
-      Traced (inside ``jit``), a negative or NaN value acts as 0.
     eps: the floor of the parameter norm, so zero-initialised parameters
-      can still move (>= 0; traced, a negative or NaN value acts as 0).
+      can still move (>= 0). Traced values: docs/hyperparameters.md.
     axis: the axes one unit spans (an int or a tuple), for every leaf;
-      None chooses them from each leaf's rank, as Optax does. With a layer
-      axis, the axes of one layer's slice.
-    axis_name: under ``shard_map``/``pmap``, the axis name(s) leaves are split
-      over; needs ``specs``.
+      None chooses them from each leaf's rank, as Optax does.
+    axis_name: under ``shard_map``/``pmap``, the axis name(s) leaves are
+      split over; needs ``specs`` (docs/distributed.md).
     specs: with ``axis_name``, the leaves' ``PartitionSpec`` (tree prefix);
-      ``params`` are split as ``updates``. A unit's partial norms are summed
-      over the mesh axes that split one of its reduced dimensions (a layer
-      axis may be split too).
-    layer_axis: for scanned (stacked) layers, the axis that stacks them: an
-      int, or a tree prefix of the updates with int or None leaves. Each
-      layer's slice is clipped as Optax's AGC clips that layer alone (its
-      units chosen from the slice's shape): units never mix layers.
+      ``params`` are split as ``updates``.
+    layer_axis: the axis that stacks scanned layers (an int, or a tree
+      prefix of int or None): each layer's slice is clipped as Optax's AGC
+      clips that layer alone (units never mix layers).
 
   Returns:
     The clipped updates, with each leaf's dtype.
@@ -287,11 +206,6 @@ def adaptive_grad_clip_fn(updates: PyTree, params: PyTree, clipping: Any, *,
     >>> adaptive_grad_clip_fn(grads, params, 0.1)["w"]  # column 0 cut to 0.1
     Array([[0.06, 0.1 ],
            [0.08, 0.1 ]], dtype=float32)
-
-    Two stacked layers of ``[2, 2]`` kernels: each layer's column 0 is
-    clipped by its own norms (without ``layer_axis``, a unit would span
-    both layers).
-
     >>> stacked = {"w": jnp.stack([params["w"], 10 * params["w"]])}
     >>> big = {"w": jnp.stack([grads["w"], grads["w"]])}
     >>> adaptive_grad_clip_fn(big, stacked, 0.1, layer_axis=0)["w"][:, :, 0]
@@ -303,15 +217,14 @@ def adaptive_grad_clip_fn(updates: PyTree, params: PyTree, clipping: Any, *,
     Normalization](https://arxiv.org/abs/2102.06171), 2021.
   """
   fn = "adaptive_grad_clip"
-  clipping, eps, axes = _check(fn, clipping, eps, axis, axis_name, specs,
-                               layer_axis)
-  clipped, _ = _clip(fn, updates, params, clipping, eps, axes, axis_name, specs,
-                     layer_axis)
+  clipping, eps, where, kept = _check(fn, clipping, eps, axis, axis_name,
+                                      specs, layer_axis)
+  clipped, _ = _clip(fn, updates, params, clipping, eps, where, kept)
   return clipped
 
 
-def adaptive_grad_clip(clipping: Any, *, eps: Any = 1e-3, axis: Any = None,
-                       axis_name: Any = None, specs: PyTree = None,
+def adaptive_grad_clip(clipping: Scalar, *, eps: Scalar = 1e-3, axis: Axis = None,
+                       axis_name: AxisName = None, specs: PyTree = None,
                        layer_axis: PyTree = None
                        ) -> optax.GradientTransformation:
   """Clips each unit's update to ``clipping`` times its parameter norm (AGC).
@@ -323,21 +236,17 @@ def adaptive_grad_clip(clipping: Any, *, eps: Any = 1e-3, axis: Any = None,
   support. ``update`` needs ``params`` of the updates' structure and leaf
   shapes (a ValueError names the leaves that differ); a NaN or Inf gradient
   propagates, as in Optax, and is counted in ``nonfinite_count``.
-  ``state=None`` is taken as a fresh state.
-
-  Injected with ``optax.inject_hyperparams``, ``clipping`` and ``eps`` are
-  checked when ``init`` runs eagerly; traced (a jitted update after a change
-  of the state's hyperparameters), a negative or NaN value acts as 0.
+  ``state=None`` is taken as a fresh state. Injected hyperparameters:
+  docs/hyperparameters.md.
 
   Args:
     clipping: the largest ratio of gradient norm to parameter norm (>= 0);
       the paper's NFNets use 0.01 at batch size 4096.
     eps: the floor of the parameter norm (>= 0).
     axis: the axes one unit spans (an int or a tuple), for every leaf;
-      None chooses them from each leaf's rank, as Optax does. With a layer
-      axis, the axes of one layer's slice.
-    axis_name: under ``shard_map``/``pmap``, the axis name(s) leaves are split
-      over; needs ``specs``.
+      None chooses them from each leaf's rank, as Optax does.
+    axis_name: under ``shard_map``/``pmap``, the axis name(s) leaves are
+      split over; needs ``specs`` (docs/distributed.md).
     specs: with ``axis_name``, the leaves' ``PartitionSpec`` (tree prefix);
       the params are split as the updates.
     layer_axis: for scanned (stacked) layers, the axis that stacks them (an
@@ -366,8 +275,8 @@ def adaptive_grad_clip(clipping: Any, *, eps: Any = 1e-3, axis: Any = None,
     Normalization](https://arxiv.org/abs/2102.06171), 2021.
   """
   fn = "adaptive_grad_clip"
-  clipping, eps, axes = _check(fn, clipping, eps, axis, axis_name, specs,
-                               layer_axis)
+  clipping, eps, where, kept = _check(fn, clipping, eps, axis, axis_name,
+                                      specs, layer_axis)
 
   def init_fn(params):
     del params
@@ -380,8 +289,7 @@ def adaptive_grad_clip(clipping: Any, *, eps: Any = 1e-3, axis: Any = None,
       state = init_fn(params)
     _validation.check_state(fn, state, AGCState)
     clipped, (hits, units, smallest, finite) = _clip(
-        fn, updates, params, clipping, eps, axes, axis_name, specs,
-        layer_axis)
+        fn, updates, params, clipping, eps, where, kept)
     new_state = AGCState(
         clipped_fraction=(hits / jnp.maximum(units, 1)).astype(jnp.float32),
         clipped_units=hits.astype(jnp.int32),
@@ -392,8 +300,8 @@ def adaptive_grad_clip(clipping: Any, *, eps: Any = 1e-3, axis: Any = None,
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def unitwise_norm(x: Any, *, axis: Any = None, layer_axis: int | None = None
-                  ) -> jax.Array:
+def unitwise_norm(x: jax.typing.ArrayLike, *, axis: Axis = None,
+                  layer_axis: int | None = None) -> jax.Array:
   """The L2 norm of each unit of ``x``, broadcast to ``x``'s shape.
 
   ``optax.transforms.unitwise_norm``'s units and numbers (there ``axis`` may
@@ -429,14 +337,14 @@ def unitwise_norm(x: Any, *, axis: Any = None, layer_axis: int | None = None
   x = jnp.asarray(x)
   if not _tree.is_clippable(x):
     x = x.astype(jnp.float32)  # integer and boolean arrays, as optax
-  layer = _leaf_norms.layer_keep(fn, [x], layer_axis) or ((),)
-  keep = unit_keep(fn, "x", x.shape, axes, layer[0])
-  norms = _norms.unit_norms([x], 2, _norms.LOCAL, (keep,), keepdims=True)[0]
-  return jnp.broadcast_to(norms, x.shape)
+  measured = _core.measure(fn, [x], 2, _core.HERE,
+                           _core.agc_units(axes, layer_axis, name="x"))
+  return jnp.broadcast_to(measured.to_leaves(measured.units)[0], x.shape)
 
 
-def unitwise_clip(g_norm: Any, max_norm: Any, grad: Any, *,
-                  div_eps: Any = DIV_EPS) -> jax.Array:
+def unitwise_clip(g_norm: jax.typing.ArrayLike, max_norm: jax.typing.ArrayLike,
+                  grad: jax.typing.ArrayLike, *, div_eps: Scalar = DIV_EPS
+                  ) -> jax.Array:
   """``grad`` scaled, entry by entry, to the norm ``max_norm``.
 
   ``optax.transforms.unitwise_clip``'s numbers: where ``g_norm < max_norm``

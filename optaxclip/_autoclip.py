@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxclip import _counters, _norms, _running_stats, _scaling, _stats, _tree, _validation
+from optaxclip import _core, _counters, _running_stats, _scaling, _stats, _validation
 from optaxclip._types import AxisName, Scalar
 
 PyTree = Any
@@ -96,44 +96,26 @@ def auto_clip(percentile: Scalar = 10.0, *, history: int = 1000,
               specs: PyTree = None) -> optax.GradientTransformation:
   """Clips to a percentile of the gradient norms seen so far (AutoClip).
 
-  Each step appends the global L2 norm of the updates to the history, takes
-  the ``percentile``-th percentile of the history (``numpy.percentile`` with
-  linear interpolation, current norm included) as the threshold, and scales
-  the updates by ``min(1, threshold / (norm + eps))``, as the reference's
-  ``torch.nn.utils.clip_grad_norm_`` does. The history keeps the last
-  ``history`` finite norms: the numbers are the reference's while
-  ``step <= history``. A NaN or Inf norm propagates into the update, as in
-  the reference, but is kept out of the history (it would poison every
-  later percentile) and counted in ``nonfinite_count``.
-
-  Injected with ``optax.inject_hyperparams``, the hyperparameters are
-  checked when ``init`` runs eagerly; traced (a jitted update after a change
-  of the state's hyperparameters), ``percentile`` is clamped to [0, 100] and
-  a negative ``eps`` acts as 0 (NaN as 0 for both).
-
-  One finite norm of any size takes one rank of the history, and the
-  history forgets it after ``history`` steps, where the reference keeps
-  every norm for ever. So a norm 1e6 times the usual ones is clipped to a
-  usual norm whatever single outlier came before, as soon as the history
-  holds at least ``(300 - percentile) / (100 - percentile)`` norms (4 for
-  the paper's 10; the outlier and the spike then sit above the
-  percentile). The norms are kept in float32, or in float64 when x64 is on
-  and ``init`` is given float64 parameters (a float64 norm beyond
-  float32's range is then clipped, not taken for Inf).
+  Each step appends the global L2 norm ``g`` of the updates to the
+  history, takes the ``percentile``-th percentile of it
+  (``numpy.percentile``, linear, ``g`` included) as the threshold ``c``, and
+  scales the updates by ``min(1, c / (g + eps))``: the reference's numbers
+  while ``step <= history``, its first step never clipped (``c = g``). A NaN
+  or Inf norm propagates, as in the reference, but stays out of the history
+  (counted in ``nonfinite_count``). One outlier of any size takes one rank
+  of the history for ``history`` steps at most (docs/which.md). Injected
+  hyperparameters: docs/hyperparameters.md.
 
   Args:
     percentile: the percentile of past norms to clip to, in [0, 100]; the
       paper uses 10.
     history: how many past norms to keep (an int >= 1); fixes the state's
-      shape. With ``optax.inject_hyperparams`` and a jitted ``init``, list it
-      in ``static_args``.
+      shape (static under ``optax.inject_hyperparams``).
     eps: added to the norm before dividing (1e-6: PyTorch's
       ``clip_grad_norm_``).
-    axis_name: under ``shard_map``/``pmap``, the mesh axis name(s) the updates
-      are split over: the norms are then those of the whole, unsplit updates,
-      with one all-reduce (see ``functional.global_norm``).
-    specs: with ``axis_name``, the updates' ``PartitionSpec`` (a tree prefix, as
-      ``shard_map``'s ``in_specs``): a leaf replicated on an axis counts once.
+    axis_name: under ``shard_map``/``pmap``, the mesh axis name(s) the
+      updates are split over (docs/distributed.md).
+    specs: with ``axis_name``, the updates' ``PartitionSpec`` (a tree prefix).
 
   Returns:
     An ``optax.GradientTransformation`` whose state is an ``AutoClipState``.
@@ -158,7 +140,7 @@ def auto_clip(percentile: Scalar = 10.0, *, history: int = 1000,
   percentile = _validation.check_interval(fn, "percentile", percentile, 0, 100)
   size = _validation.check_buffer_size(fn, "history", history)
   eps = _validation.check_nonnegative(fn, "eps", eps)
-  _validation.check_specs(fn, specs, axis_name)
+  where = _core.Where.of(fn, axis_name, specs)
 
   def init_fn(params):
     length = _validation.require_buffer_size(fn, "history", size)
@@ -167,25 +149,25 @@ def auto_clip(percentile: Scalar = 10.0, *, history: int = 1000,
   def update_fn(updates, state, params=None):
     del params
     _validation.check_update(fn, updates, state, AutoClipState)
-    reduction = _norms.make_reduction(fn, updates, axis_name, specs)
-    leaves = _tree.clippable_leaves(updates)
+    norm = _core.measure(fn, updates, 2, where).total
     dtype = state.norms.dtype  # the statistics' (see init), every step
-    norm = _norms.norm_of_leaves(leaves, 2, reduction).astype(dtype)
+    seen = _running_stats.to_statistics(norm, dtype)
     finite = jnp.isfinite(norm)
     # The length comes from the state: under inject_hyperparams `history`
     # is traced here.
     length = state.norms.shape[0]
-    norms = jnp.where(finite, state.norms.at[state.position].set(norm),
+    norms = jnp.where(finite, state.norms.at[state.position].set(seen),
                       state.norms)
     filled = jnp.where(finite, jnp.minimum(state.size + 1, length), state.size)
     position = jnp.where(finite, (state.position + 1) % length, state.position)
     threshold = percentile_of_prefix(norms, filled,
                                      jnp.asarray(percentile, jnp.float32))
-    factor = _scaling.clip_factor(norm, threshold, eps)
+    # From the norm itself: a float64 norm beyond float32 statistics.
+    factor = _scaling.clip_factor(norm, threshold.astype(norm.dtype), eps)
     new_state = AutoClipState(
         norms=norms, position=position.astype(jnp.int32),
         size=filled.astype(jnp.int32),
-        norm=norm, threshold=threshold.astype(dtype),
+        norm=seen, threshold=threshold.astype(dtype),
         scale=factor.astype(dtype),
         **_counters.step_counts(state, finite=finite, clipped=factor < 1))
     return _scaling.scale_leaves(updates, factor), new_state

@@ -11,7 +11,7 @@ Norm -> factor -> scale -> state, as every clipper here.
 """
 
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,18 +20,15 @@ import optax
 from jax import lax
 
 from optaxclip import (
+    _core,
     _counters,
-    _leaf_norms,
-    _norms,
     _running_stats,
     _scaling,
     _stats,
     _tree,
     _validation,
 )
-from optaxclip._types import AxisName, Scalar
-
-PyTree = Any
+from optaxclip._types import AxisName, PyTree, Scalar
 
 
 class BlockRMSState(NamedTuple):
@@ -67,16 +64,10 @@ _stats.register(BlockRMSState, "block_rms",
                 extras=lambda state: {"clip_rate": _counters.clip_rate(state)})
 
 
-Pair = tuple[jax.Array, jax.Array]  # (rms, factor)
-
-
 def _block_rms_factors(norms: jax.Array, sizes: np.ndarray,
-                       threshold: Any) -> tuple[jax.Array, jax.Array]:
+                       threshold: Scalar) -> tuple[jax.Array, jax.Array]:
   """``(rms, factor)`` of blocks from their 2-norms and sizes, elementwise.
-
-  Any shapes that broadcast: one value per leaf now, one per layer slice
-  where a leaf stacks layers. An empty block has RMS 0, not 0/0.
-  """
+  An empty block has RMS 0, not 0/0."""
   roots = np.sqrt(np.where(sizes > 0, sizes, 1)).astype(norms.dtype)
   # rms > threshold  <=>  norm > threshold * sqrt(n): the factor divides the
   # norm itself, so no division by a constant (which XLA turns into a
@@ -86,77 +77,48 @@ def _block_rms_factors(norms: jax.Array, sizes: np.ndarray,
   return norms / roots, factors
 
 
-def _layer_sizes(leaves: list[jax.Array], keep: tuple[tuple[int, ...], ...],
-                 reduction: _norms.Reduction) -> list[float]:
-  """Each leaf's number of entries per layer slice, across the devices it
-  is split over (not those that split its layers: each holds others)."""
-  return [float(reduction.whole_count(
-      i, math.prod(d for a, d in enumerate(x.shape) if a not in kept)))
-          for i, (x, kept) in enumerate(zip(leaves, keep))]
+def _rms(fn: str, tree: PyTree, where: _core.Where, kept: _core.Kept,
+         threshold: Scalar) -> tuple[_core.Measured, jax.Array, jax.Array]:
+  """The norms, and ``(rms, factor)`` of every block on every device,
+  finite for finite leaves.
 
-
-def _layer_rms(leaves: list[jax.Array], keep: tuple[tuple[int, ...], ...],
-                reduction: _norms.Reduction, threshold: Any
-                ) -> tuple[list[Pair], list[Pair]]:
-  """``(rms, factor)`` per leaf, one per layer slice (``keep``: the layer
-  axis, or nothing), finite for finite leaves: of this device's slices
-  (shaped as the kept axes), and of every device's (vectors, for the
-  statistics: no second all-reduce).
-
-  The norm of a slice overflows float32 where its RMS need not (entries
+  The norm of a block overflows float32 where its RMS need not (entries
   near the largest float, ``n >= 2``). Only then (a ``lax.cond``) the norms
   are taken again of the leaves times ``2**-k``, ``2**k >= sqrt(n)``, which
   cannot overflow: the same formulas with ``n / 4**k`` entries (exact
   powers of two) give the RMS and factor. An Inf entry keeps an Inf norm.
   """
-  sizes = _layer_sizes(leaves, keep, reduction)
-  split = reduction.split_kept_axes is not None
+  measured = _core.measure(fn, tree, 2, where, kept)
+  counts = [part.size for part in measured.per_leaf()]
+  entries = measured.entries_per_unit()
+  sizes = np.repeat(np.asarray(entries, np.float64), counts)
+  rms, factors = _block_rms_factors(measured.units, sizes, threshold)
+  if not entries or not _core.rescue_enabled():
+    return measured, rms, factors
 
-  def views(units: _norms.Units) -> list[jax.Array]:
-    # This device's slices and, where a layer axis is split, every device's.
-    return units.here + (units.everywhere if split else [])
+  def rescued():
+    shifts = [math.ceil(math.log2(max(n, 1)) / 2) for n in entries]
+    scaled = _tree.map_clippable_indexed(
+        lambda x, i: x * jnp.asarray(2.0 ** -shifts[i], x.dtype), tree)
+    again = _core.measure(fn, scaled, 2, where, kept).units
+    shrunk = sizes / np.repeat(4.0 ** np.asarray(shifts), counts)
+    more = _block_rms_factors(again, shrunk, threshold)
+    overflowed = jnp.isinf(measured.units)
+    return tuple(jnp.where(overflowed, new, old)
+                 for new, old in zip(more, (rms, factors)))
 
-  def rms_and_factors(units: _norms.Units, shrink: list[float]) -> list[Pair]:
-    return [_block_rms_factors(n, np.asarray(size / k), threshold)
-            for n, size, k in zip(views(units), sizes * 2, shrink * 2)]
-
-  units = _norms.units(leaves, 2, reduction, keep)
-  plain = rms_and_factors(units, [1.0] * len(leaves))
-  if leaves and _norms.BUILD_RESCUE:
-    overflowed = _norms.any_in_batch(jnp.isinf(jnp.concatenate(units.everywhere)))
-
-    def rescued():
-      shifts = [math.ceil(math.log2(max(size, 1)) / 2) for size in sizes]
-      scaled = [x * jnp.asarray(2.0 ** -k, x.dtype)
-                for x, k in zip(leaves, shifts)]
-      again = rms_and_factors(_norms.units(scaled, 2, reduction, keep),
-                              [4.0 ** k for k in shifts])
-      return [tuple(jnp.where(jnp.isinf(n), new, old)
-                    for new, old in zip(more, same))
-              for n, more, same in zip(views(units), again, plain)]
-
-    plain = lax.cond(overflowed, rescued, lambda: plain)
-  here = plain[:len(leaves)]
-  return here, plain[len(leaves):] or here  # unsplit: every device's are these
+  rms, factors = lax.cond(_core.any_in_batch(jnp.isinf(measured.units)),
+                          rescued, lambda: (rms, factors))
+  return measured, rms, factors
 
 
-def _clip(fn: str, tree: PyTree, threshold, axis_name, specs,
-          layer_axis: PyTree = None) -> tuple[PyTree, jax.Array, jax.Array]:
+def _clip(fn: str, tree: PyTree, threshold: Scalar, where: _core.Where,
+          kept: _core.Kept) -> tuple[PyTree, jax.Array, jax.Array]:
   """The clipped tree, and the RMS and factor of every clippable leaf (or
   layer slice, on every device), as vectors."""
   _validation.check_tree(fn, "the tree", tree)
-  leaves = _tree.clippable_leaves(tree)
-  keep = _leaf_norms.layer_keep(fn, tree, layer_axis)
-  reduction = _norms.make_reduction(fn, tree, axis_name, specs, keep)
-  keep = keep or ((),) * len(leaves)  # a leaf is one block
-  here, everywhere = _layer_rms(leaves, keep, reduction, threshold)
-  clipped = _scaling.scale_leaves(tree, [
-      f.reshape([d if a in kept else 1 for a, d in enumerate(x.shape)])
-      for (_, f), x, kept in zip(here, leaves, keep)])
-  flat = lambda arrays: jnp.concatenate(  # noqa: E731
-      [a.reshape(-1) for a in arrays] or [jnp.zeros([0])])
-  return (clipped, flat([r for r, _ in everywhere]),
-          flat([f for _, f in everywhere]))
+  measured, rms, factors = _rms(fn, tree, where, kept, threshold)
+  return _scaling.scale_leaves(tree, measured.to_leaves(factors)), rms, factors
 
 
 def clip_by_block_rms_fn(tree: PyTree, threshold: Scalar, *,
@@ -210,10 +172,9 @@ def clip_by_block_rms_fn(tree: PyTree, threshold: Scalar, *,
   fn = "clip_by_block_rms"
   threshold = _validation.check_nonnegative(fn, "threshold", threshold,
                                             allow_inf=True)
-  _validation.check_specs(fn, specs, axis_name)
-  _validation.check_layer_axis(fn, layer_axis)
-  clipped, _, _ = _clip(fn, tree, threshold, axis_name, specs, layer_axis)
-  return clipped
+  where = _core.Where.of(fn, axis_name, specs)
+  kept = _core.layers(_validation.check_layer_axis(fn, layer_axis))
+  return _clip(fn, tree, threshold, where, kept)[0]
 
 
 def clip_by_block_rms(threshold: Scalar, *, axis_name: AxisName = None,
@@ -262,8 +223,8 @@ def clip_by_block_rms(threshold: Scalar, *, axis_name: AxisName = None,
   fn = "clip_by_block_rms"
   threshold = _validation.check_nonnegative(fn, "threshold", threshold,
                                             allow_inf=True)
-  _validation.check_specs(fn, specs, axis_name)
-  _validation.check_layer_axis(fn, layer_axis)
+  where = _core.Where.of(fn, axis_name, specs)
+  kept = _core.layers(_validation.check_layer_axis(fn, layer_axis))
 
   def init_fn(params):
     return BlockRMSState.fresh(_running_stats.statistics_dtype(params))
@@ -273,8 +234,7 @@ def clip_by_block_rms(threshold: Scalar, *, axis_name: AxisName = None,
     if state is None:  # stateless use, as optax's allows: a fresh state
       state = init_fn(None)
     _validation.check_state(fn, state, BlockRMSState)
-    clipped, rms, factors = _clip(fn, updates, threshold, axis_name, specs,
-                                  layer_axis)
+    clipped, rms, factors = _clip(fn, updates, threshold, where, kept)
     largest = jnp.max(rms, initial=0)  # NaN if any leaf's is
     smallest = jnp.min(factors, initial=1)
     new_state = BlockRMSState(

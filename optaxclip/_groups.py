@@ -12,14 +12,25 @@ slip when one global norm was meant: see ``docs/which.md``.
 """
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
-from optaxclip import _norms, _tree, _validation
+from optaxclip import (
+  _core,
+  _leaf_stats,
+  _nonfinite,
+  _running_stats,
+  _scaling,
+  _stats,
+  _tree,
+  _validation,
+)
+from optaxclip._clip_state import ClipState
+from optaxclip._types import NonFinite, PyTree
 
-PyTree = Any
 # A tree prefix of labels, or a callable from the gradients to one.
 Labels = Callable[[PyTree], PyTree] | PyTree
 
@@ -79,13 +90,98 @@ def limit_of(fn: str, max_norm: Any, label: str) -> Any:
   return max_norm[label]
 
 
-def group_norms(labels: list[str], leaf_norms: list[jax.Array], p: Any
+def group_norms(labels: list[str], leaf_norms: list[jax.Array], p
                 ) -> dict[str, jax.Array]:
   """Each group's norm: the norm of its leaves' norms (no pass over the
   gradients), in the order the labels first appear."""
   members: dict[str, list[jax.Array]] = {}
   for label, norms in zip(labels, leaf_norms):
     members.setdefault(label, []).append(jnp.reshape(norms, -1))
-  return {label: _norms.norm_of_leaves([jnp.concatenate(norms)], p)
+  return {label: _core.norm_of([jnp.concatenate(norms)], p)
           for label, norms in members.items()}
 
+
+class GroupClipState(NamedTuple):
+  """State of ``clip_by_global_norm(groups=...)``.
+
+  ``optaxclip.stats`` reports each group's entries as ``clip/<label>/...``.
+
+  Attributes:
+    groups: a dict from each group's label to its ``ClipState`` (its norm,
+      factor and step counts).
+    leaf_norms: as in ``ClipState``.
+    stack_norms: as in ``ClipState``.
+  """
+  groups: dict[str, ClipState]
+  leaf_norms: PyTree = None
+  stack_norms: PyTree = None
+
+
+def _group_stats(state: GroupClipState) -> dict[str, jax.Array]:
+  entries = {f"{label}/{key}": value
+             for label, group in state.groups.items()
+             for key, value in _stats.summary(group).items()}
+  return {**entries, **_leaf_stats.entries(state.leaf_norms, state.stack_norms)}
+
+
+_stats.register(GroupClipState, "clip", _group_stats)
+
+
+def _checked_labels(fn: str, updates: PyTree, groups: Labels,
+                    state: GroupClipState) -> list[str]:
+  labels = leaf_labels(fn, updates, groups)
+  if set(labels) != set(state.groups):
+    raise ValueError(
+        f"`{fn}(groups=...)` labels the updates {sorted(set(labels))} but "
+        f"the state has groups {sorted(state.groups)}; call init with "
+        f"the parameters the updates are for")
+  return labels
+
+
+def group_clipper(fn: str, max_norm, p, eps, where: _core.Where,
+                  nonfinite: NonFinite, groups: Labels, *, leaf_norms: bool,
+                  layer_axis: PyTree) -> optax.GradientTransformation:
+  """``clip_by_global_norm`` with ``groups``: each clipped by its own norm,
+  all from one pass over the gradients and one all-reduce."""
+  _validation.check_choice(fn, "nonfinite", nonfinite, _nonfinite.MODES)
+  _validation.check_bool(fn, "leaf_norms", leaf_norms)
+  layers = _core.layers(_validation.check_layer_axis(fn, layer_axis))
+  groups = check_labels(fn, groups)
+
+  def init_fn(params):
+    dtype = _running_stats.statistics_dtype(params)
+    labels = dict.fromkeys(leaf_labels(fn, params, groups))
+    for label in labels:
+      limit_of(fn, max_norm, label)
+    kept = _leaf_stats.zeros(fn, params, layers, dtype) if leaf_norms else ()
+    return GroupClipState({label: ClipState.fresh(dtype) for label in labels},
+                          *kept)
+
+  def update_fn(updates, state, params=None):
+    del params
+    if state is None:
+      state = init_fn(updates)
+    _validation.check_state(fn, state, GroupClipState)
+    labels = _checked_labels(fn, updates, groups, state)
+    measured = _core.measure(fn, updates, p, where, layers)
+    # From every device's layers: the same group norms on each device.
+    norms = group_norms(labels, measured.per_leaf(), p)
+    finite = {label: jnp.isfinite(norm) for label, norm in norms.items()}
+    factors = dict(zip(norms, _nonfinite.guard(
+        nonfinite, fn, updates,
+        jnp.max(jnp.stack(list(norms.values()))) if norms else jnp.zeros([]),
+        [_scaling.clip_factor(norm, limit_of(fn, max_norm, label), eps)
+         for label, norm in norms.items()], list(finite.values()))))
+    clipped = _nonfinite.zeroed(
+        nonfinite, _scaling.scale_leaves(updates, [factors[label] for label in labels]),
+        [finite[label] for label in labels])
+    new_groups = {label: old.after(norms[label], factors[label],
+                                   finite=finite[label])
+                  for label, old in state.groups.items()}
+    kept = ()
+    if leaf_norms:  # the state's dtype (no group at all: an empty tree)
+      dtype = next((g.norm.dtype for g in state.groups.values()), jnp.float32)
+      kept = _leaf_stats.measured(measured, dtype)
+    return clipped, GroupClipState(new_groups, *kept)
+
+  return optax.GradientTransformation(init_fn, update_fn)

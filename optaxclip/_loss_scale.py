@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxclip import _counters, _norms, _placement, _scaling, _stats, _validation
+from optaxclip import _core, _counters, _placement, _scaling, _stats, _validation
 from optaxclip._types import AxisName, Scalar
 
 PyTree = Any
@@ -169,7 +169,7 @@ def unscale(updates: PyTree, state: LossScaleState, *,
   # dtype (half precision is unscaled in float32 and rounded once).
   unscaled = _scaling.scale_leaves(updates, 1 / state.scale)
   # Judged after unscaling: that is what the optimizer would see.
-  finite = _norms.all_finite(unscaled, axis_name=axis_name)
+  finite = _core.all_finite(unscaled, axis_name=axis_name)
   # Zeros rather than Inf/NaN: nothing after the loss scaling sees them.
   return _scaling.zero_unless(finite, unscaled), finite
 

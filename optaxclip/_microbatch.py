@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from optaxclip import _norms, _stats, _tree, _validation
+from optaxclip import _core, _stats, _validation
 from optaxclip._types import AxisName, Ord, Scalar
 
 PyTree = Any
@@ -93,13 +93,12 @@ def microbatch_guard(*, max_norm: Scalar | None = None, ord: Ord = 2,
     max_norm = _validation.check_nonnegative(fn, "max_norm", max_norm,
                                              allow_inf=True)
   p = _validation.check_ord(fn, ord)
-  _validation.check_axis_name(fn, axis_name)
+  where = _core.Where.of(fn, axis_name)
 
   def should_skip(updates, gradient_step, params=None):
     del gradient_step, params
     _validation.check_tree(fn, "updates", updates)
-    reduction = _norms.make_reduction(fn, updates, axis_name, None)
-    norm = _norms.norm_of_leaves(_tree.clippable_leaves(updates), p, reduction)
+    norm = _core.measure(fn, updates, p, where).total
     skip = ~jnp.isfinite(norm)  # decided in the norm's own (wider) dtype
     if max_norm is not None:
       skip = skip | (norm > jnp.asarray(max_norm, norm.dtype))

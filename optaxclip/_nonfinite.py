@@ -62,3 +62,29 @@ def raise_if_nonfinite(fn: str, tree: PyTree, norm: jax.Array) -> None:
   report = functools.partial(_raise_if_bad, fn, paths)
   lax.cond(jnp.isfinite(norm), lambda: None,
            lambda: jax.debug.callback(report, norm, leaf_ok()))
+
+
+def guard(mode: NonFinite, fn: str, updates: PyTree, norm: jax.Array,
+          factors: list[jax.Array], finite: list[jax.Array]
+          ) -> list[jax.Array]:
+  """The factors for ``mode``, one per norm (one norm, or one per group):
+  ``"raise"`` raises when ``norm`` (the largest) is NaN or Inf,
+  ``"zero"`` makes a factor 0 where its norm is not ``finite``."""
+  if mode == "raise":
+    raise_if_nonfinite(fn, updates, norm)
+  if mode == "zero":
+    return [jnp.where(ok, f, 0) for f, ok in zip(factors, finite)]
+  return factors
+
+
+def zeroed(mode: NonFinite, clipped: PyTree,
+           finite: jax.Array | list[jax.Array]) -> PyTree:
+  """With ``"zero"``, each clippable leaf zeros where its norm's
+  ``finite`` (one for all, or one per leaf) is False: a NaN times a factor
+  of 0 is still NaN."""
+  if mode != "zero":
+    return clipped
+  def zero(x, i):
+    ok = finite if isinstance(finite, jax.Array) else finite[i]
+    return jnp.where(ok, x, jnp.zeros_like(x))
+  return _tree.map_clippable_indexed(zero, clipped)

@@ -83,6 +83,18 @@ def _safe_sqrt_jvp(primals, tangents):
   return root, jnp.where(positive, dx / (2 * jnp.where(positive, root, 1)), 0)
 
 
+def to_statistics(x: jax.Array, dtype) -> jax.Array:
+  """``x`` (a norm, in its accumulation dtype) in the statistics' ``dtype``:
+  a finite value beyond that dtype's range saturates at its largest float
+  rather than becoming Inf (float64 gradients under x64 with float32
+  statistics: a finite norm must not count as non-finite). Factors are
+  computed from ``x`` itself."""
+  if jnp.dtype(x.dtype) == jnp.dtype(dtype):
+    return x
+  largest = jnp.finfo(dtype).max
+  return jnp.where(jnp.isfinite(x), jnp.clip(x, -largest, largest), x).astype(dtype)
+
+
 def saturate(x: jax.Array) -> jax.Array:
   """``x`` with ``+inf`` (an overflow) replaced by the largest finite float."""
   return jnp.minimum(x, jnp.finfo(x.dtype).max)

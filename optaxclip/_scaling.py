@@ -7,15 +7,11 @@ clipped copy, lets XLA fuse the factor into whatever reads the update next
 (inside ``optax.chain(clip, adamw)``: the optimizer's own pass).
 """
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 
 from optaxclip import _tree
-from optaxclip._layout import whole_on_auto_mesh
-
-PyTree = Any
+from optaxclip._types import PyTree
 
 
 def clip_factor(norm: jax.Array, max_norm: jax.typing.ArrayLike,
@@ -51,8 +47,7 @@ def zero_unless(keep: jax.Array, tree: PyTree) -> PyTree:
 
 
 def _scale_leaf(x: jax.Array, factor: jax.Array) -> jax.Array:
-  # Only the leaf's own layout decides its update's (see the function).
-  scaled = x * whole_on_auto_mesh(factor)
+  scaled = x * factor
   # Half-precision leaves are scaled in float32 and rounded once. (The check
   # saves a no-op cast per leaf from the trace of trees with many leaves.)
   return scaled if scaled.dtype == x.dtype else scaled.astype(x.dtype)
@@ -62,7 +57,7 @@ def scale_leaves(tree: PyTree, factors: jax.Array | list[jax.Array]
                  ) -> PyTree:
   """Multiplies the clippable leaves by one factor (scalar) or one each (a
   vector of scalars, or a list of arrays that broadcast against them: one
-  factor per layer or unit).
+  factor per layer or unit, as ``Measured.to_leaves`` lays them out).
 
   One multiply per leaf and nothing else: each leaf's pass is the cheapest
   fusion XLA can compile, and it fuses into the optimizer's next pass.

@@ -36,13 +36,14 @@ import numpy as np
 import optax
 
 from optaxclip import (
-    _counters,
-    _leaf_norms,
-    _placement,
-    _running_stats,
-    _scaling,
-    _stats,
-    _validation,
+  _core,
+  _counters,
+  _leaf_stats,
+  _placement,
+  _running_stats,
+  _scaling,
+  _stats,
+  _validation,
 )
 from optaxclip._types import AxisName, Ord, Scalar
 
@@ -149,7 +150,7 @@ def _extras(stats: SkipStats) -> dict[str, jax.Array]:
   return {"norm_std": _running_stats.safe_sqrt(stats.norm_var),
           "loss_std": _running_stats.safe_sqrt(stats.loss_var),
           "skip_rate": rate.astype(jnp.float32),
-          **_leaf_norms.entries(stats.leaf_norms)}
+          **_leaf_stats.entries(stats.leaf_norms)}
 
 
 # The stale counts are bookkeeping, not statistics.
@@ -508,9 +509,10 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
                                               include_one=False)
   warmup_steps = _validation.check_integer(fn, "warmup_steps", warmup_steps, 0)
   p = _validation.check_ord(fn, ord)
-  _validation.check_specs(fn, specs, axis_name)
+  where = _core.Where.of(fn, axis_name, specs)
   _validation.check_bool(fn, "leaf_norms", leaf_norms)
   _validation.check_layer_axis(fn, layer_axis)
+  kept = _core.layers(layer_axis) if leaf_norms else _core.TOTAL
   if loss_zscore is not None:
     loss_zscore = _check_loss_zscore(fn, loss_zscore)
   inner = optax.with_extra_args_support(inner)
@@ -525,8 +527,7 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
     dtype = _running_stats.statistics_dtype(params)
     norms = None
     if leaf_norms:
-      norms = _leaf_norms.zeros(
-          params, _leaf_norms.layer_keep(fn, params, layer_axis), dtype)
+      norms = _leaf_stats.zeros(fn, params, _core.layers(layer_axis), dtype)[0]
     return SkipState(stats=SkipStats.fresh(dtype, norms),
                      inner_state=inner_state)
 
@@ -535,9 +536,9 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
     stats = state.stats
     # NaN or Inf in any leaf and only then: the norm is overflow-safe, so
     # its finiteness is the gradients' (one pass for both questions).
-    norm, norms = _leaf_norms.measure(fn, updates, p, axis_name, specs,
-                                      leaf_norms=leaf_norms,
-                                      layer_axis=layer_axis)
+    measured = _core.measure(fn, updates, p, where, kept)
+    norm = measured.total
+    norms = measured.tree() if leaf_norms else None
     dtype = stats.norm.dtype  # the statistics' (see init), every step
     loss_scales = _placement.find_loss_scale_states(state.inner_state)
     unscale = ((lambda n: (n / loss_scales[0].scale).astype(dtype))

@@ -197,32 +197,6 @@ def check_axis_name(fn: str, value: Any) -> tuple[Any, ...]:
   return tuple(names)
 
 
-def _is_spec(x: Any) -> bool:
-  return x is None or isinstance(x, jax.sharding.PartitionSpec)
-
-
-def check_specs(fn: str, specs: Any, axis_name: Any) -> Any:
-  """``axis_name`` (see ``check_axis_name``) and ``specs``: None, or
-  PartitionSpecs (a tree prefix) with an ``axis_name``.
-
-  Whether the prefix matches the gradients is only known at ``update``.
-  """
-  axis_names = check_axis_name(fn, axis_name)
-  if specs is None:
-    return specs
-  if not axis_names:
-    raise ValueError(
-        f"{_where(fn, 'specs')} needs `axis_name`: specs say how leaves are "
-        f"split over the named axes of shard_map/pmap; pass axis_name= too, or "
-        f"leave specs out")
-  for spec in jax.tree.leaves(specs, is_leaf=_is_spec):
-    if not _is_spec(spec):
-      raise TypeError(
-          f"{_where(fn, 'specs')} must hold PartitionSpecs (or None), got "
-          f"{spec!r:.80} of type {type(spec).__name__}")
-  return specs
-
-
 def check_integer(fn: str, arg: str, value: Any, minimum: int) -> Any:
   """An integer >= ``minimum``: an int, or a number or scalar array whose
   value is integral (``optax.inject_hyperparams(...,

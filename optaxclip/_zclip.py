@@ -18,8 +18,9 @@ import jax.numpy as jnp
 import optax
 
 from optaxclip import (
+  _core,
   _counters,
-  _leaf_norms,
+  _leaf_stats,
   _running_stats,
   _scaling,
   _stats,
@@ -97,7 +98,7 @@ class ZClipState(NamedTuple):
 def _extras(state: ZClipState) -> dict[str, jax.Array]:
   return {"std": _running_stats.safe_sqrt(state.var),
           "clip_rate": _counters.clip_rate(state),
-          **_leaf_norms.entries(state.leaf_norms)}
+          **_leaf_stats.entries(state.leaf_norms)}
 
 
 _stats.register(ZClipState, "zclip", extras=_extras,
@@ -332,17 +333,17 @@ def zclip(*, alpha: Scalar = 0.97, z_thresh: Scalar = 2.5,
   _validation.check_choice(fn, "clip_option", clip_option, CLIP_OPTIONS)
   clip_factor = _validation.check_nonnegative(fn, "clip_factor", clip_factor)
   _validation.check_bool(fn, "skip_update_on_spike", skip_update_on_spike)
-  _validation.check_specs(fn, specs, axis_name)
+  where = _core.Where.of(fn, axis_name, specs)
   _validation.check_bool(fn, "leaf_norms", leaf_norms)
   _validation.check_layer_axis(fn, layer_axis)
+  kept = _core.layers(layer_axis) if leaf_norms else _core.TOTAL
 
   def init_fn(params):
     length = _validation.require_buffer_size(fn, "warmup_steps", size)
     dtype = _running_stats.statistics_dtype(params)
     norms = None
     if leaf_norms:
-      norms = _leaf_norms.zeros(
-          params, _leaf_norms.layer_keep(fn, params, layer_axis), dtype)
+      norms = _leaf_stats.zeros(fn, params, _core.layers(layer_axis), dtype)[0]
     return ZClipState.fresh(dtype, length, norms)
 
   settings = {"alpha": alpha, "z_thresh": z_thresh,
@@ -353,9 +354,9 @@ def zclip(*, alpha: Scalar = 0.97, z_thresh: Scalar = 2.5,
   def update_fn(updates, state, params=None):
     del params
     _validation.check_update(fn, updates, state, ZClipState)
-    norm, norms = _leaf_norms.measure(fn, updates, 2, axis_name, specs,
-                                      leaf_norms=leaf_norms,
-                                      layer_axis=layer_axis)
+    measured = _core.measure(fn, updates, 2, where, kept)
+    norm = measured.total
+    norms = measured.tree() if leaf_norms else None
     dtype = state.mean.dtype  # the statistics' (see init), every step
     factor, new_state = step(state, norm.astype(dtype), **settings)
     new_state = new_state._replace(

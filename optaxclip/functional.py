@@ -8,10 +8,10 @@ from optaxclip._agc import adaptive_grad_clip_fn as adaptive_grad_clip
 from optaxclip._agc import unitwise_clip as unitwise_clip
 from optaxclip._agc import unitwise_norm as unitwise_norm
 from optaxclip._block_rms import clip_by_block_rms_fn as clip_by_block_rms
+from optaxclip._core import all_finite as all_finite
+from optaxclip._core import global_norm as global_norm
 from optaxclip._norm_clipping import clip_by_global_norm_fn as clip_by_global_norm
 from optaxclip._norm_clipping import clip_by_norm_fn as clip_by_norm
-from optaxclip._norms import all_finite as all_finite
-from optaxclip._norms import global_norm as global_norm
 from optaxclip._per_example import PerExampleClip as PerExampleClip
 from optaxclip._per_example import (
     per_example_clip_by_global_norm as per_example_clip_by_global_norm,

@@ -1,4 +1,4 @@
-"""How partial norms combine across devices: specs and the one all-reduce.
+"""Where the leaves live: the mesh axes their partial norms combine over.
 
 Under ``shard_map``/``pmap`` each device holds a shard of every split leaf,
 so each device's partial sums (or maxima) are combined over the named mesh
@@ -11,6 +11,10 @@ writes its units at its own place in a vector of every device's units
 (zeros elsewhere), so one ``psum`` over all axes still combines everything,
 and every device ends with every unit's norm (``Reduction.local`` reads its
 own back).
+
+Under sharded ``jit`` the compiler combines partial sums itself; the layout
+helpers at the end keep each leaf's layout its own where a small vector of
+per-unit values mixes leaves of different layouts.
 """
 
 import math
@@ -23,8 +27,49 @@ import numpy as np
 from jax import lax
 
 from optaxclip import _tree, _validation
+from optaxclip._types import PyTree
 
-PyTree = Any
+Keep = tuple[int, ...]  # the axes of a leaf that its units keep (sorted)
+
+
+def _is_spec(x: Any) -> bool:
+  return x is None or isinstance(x, jax.sharding.PartitionSpec)
+
+
+class Where(NamedTuple):
+  """The ``shard_map``/``pmap`` axes the leaves are split over, and how.
+
+  Attributes:
+    axis_names: the mesh axes to combine partial norms over (empty: none).
+    specs: each leaf's PartitionSpec (a tree prefix, as ``shard_map``'s
+      ``in_specs``), or None: every leaf split on every axis.
+  """
+  axis_names: tuple[Any, ...] = ()
+  specs: PyTree = None
+
+  @classmethod
+  def of(cls, fn: str, axis_name: Any = None, specs: PyTree = None) -> "Where":
+    """``axis_name`` and ``specs`` checked, once, where a transform is built."""
+    axis_names = _validation.check_axis_name(fn, axis_name)
+    if specs is not None and not axis_names:
+      raise ValueError(
+          f"`{fn}(specs=...)` needs `axis_name`: specs say how leaves are split "
+          f"over the named axes of shard_map/pmap; pass axis_name= too, or "
+          f"leave specs out")
+    for spec in jax.tree.leaves(specs, is_leaf=_is_spec):
+      if not _is_spec(spec):
+        raise TypeError(
+            f"`{fn}(specs=...)` must hold PartitionSpecs (or None), got "
+            f"{spec!r:.80} of type {type(spec).__name__}")
+    return cls(axis_names, specs)
+
+  def twice(self) -> "Where":
+    """For a tree's leaves followed by as many more laid out alike."""
+    return self if self.specs is None else self._replace(
+        specs=(self.specs, self.specs))
+
+
+HERE = Where()
 
 
 class Reduction(NamedTuple):
@@ -41,9 +86,8 @@ class Reduction(NamedTuple):
     axis_names: the mesh axes to combine over (empty: one device).
     replicated_axes: per leaf, the axes it is replicated on; None: every
       leaf is split on every axis.
-    split_kept_axes: per leaf, the axes that split its kept axes (a sharded
-      layer or AGC unit axis: a different unit on each device of them), in
-      the order they split them, or None where no leaf has such axes.
+    split_kept_axes: per leaf, the axes that split its kept axes, in the
+      order they split them, or None where no leaf has such axes.
   """
   axis_names: tuple[Any, ...]
   replicated_axes: tuple[tuple[Any, ...], ...] | None = None
@@ -119,9 +163,8 @@ class Reduction(NamedTuple):
 
   def whole_count(self, leaf: int, local: int) -> int:
     """``local``, a count of leaf ``leaf``'s entries on this device along
-    its reduced axes, over all devices (under ``shard_map`` a device holds
-    a shard; a kept axis split over the mesh holds other units, not more
-    entries of these)."""
+    its reduced axes, over all devices (a kept axis split over the mesh
+    holds other units, not more entries of these)."""
     replicated = () if self.replicated_axes is None else (
         self.replicated_axes[leaf])
     split_kept = () if self.split_kept_axes is None else (
@@ -134,8 +177,7 @@ class Reduction(NamedTuple):
     return lax.psum(1, self.axis_names) if self.axis_names else 1
 
   def repeated(self, times: int) -> "Reduction":
-    """The reduction for these leaves listed ``times`` over (AGC reduces
-    gradients and parameters together)."""
+    """The reduction for these leaves listed ``times`` over."""
     def repeat(per_leaf):
       return None if per_leaf is None else per_leaf * times
     return self._replace(replicated_axes=repeat(self.replicated_axes),
@@ -169,13 +211,6 @@ def _position(axes: tuple[Any, ...]) -> jax.Array:
 LOCAL = Reduction(())
 
 
-def _spec_axes(entry: Any) -> set[Any]:
-  """The mesh axes one PartitionSpec entry (or a whole spec) names."""
-  if isinstance(entry, jax.sharding.PartitionSpec):
-    return set().union(*map(_spec_axes, entry)) if len(entry) else set()
-  return set(_entry_axes(entry))
-
-
 def _entry_axes(entry: Any) -> tuple[Any, ...]:
   """The mesh axes one PartitionSpec entry names, in its order."""
   if entry is None:
@@ -183,8 +218,9 @@ def _entry_axes(entry: Any) -> tuple[Any, ...]:
   return entry if isinstance(entry, tuple) else (entry,)
 
 
-def _is_spec(x: Any) -> bool:
-  return x is None or isinstance(x, jax.sharding.PartitionSpec)
+def _spec_axes(spec: jax.sharding.PartitionSpec) -> set[Any]:
+  """The mesh axes a whole PartitionSpec names."""
+  return {axis for entry in spec for axis in _entry_axes(entry)}
 
 
 def _leaf_specs(fn: str, tree: PyTree, specs: PyTree) -> list[Any]:
@@ -198,48 +234,97 @@ def _leaf_specs(fn: str, tree: PyTree, specs: PyTree) -> list[Any]:
           for spec in specs]
 
 
-def whole_shapes(fn: str, tree: PyTree, specs: PyTree) -> list[tuple[int, ...]]:
-  """Each clippable leaf's shape before ``shard_map`` split it by ``specs``
-  (under ``shard_map``; the local shapes when ``specs`` is None)."""
+def whole_shapes(fn: str, tree: PyTree, where: Where) -> list[tuple[int, ...]]:
+  """Each clippable leaf's shape before ``shard_map`` split it by
+  ``where.specs`` (the local shapes when there are no specs)."""
   leaves = _tree.clippable_leaves(tree)
-  if specs is None:
+  if where.specs is None:
     return [tuple(x.shape) for x in leaves]
   leaf_specs = [spec for x, spec in zip(jax.tree.leaves(tree),
-                                        _leaf_specs(fn, tree, specs))
+                                        _leaf_specs(fn, tree, where.specs))
                 if _tree.is_clippable(x)]
-  return [tuple(d * math.prod(lax.axis_size(a) for a in _spec_axes(
-      spec[i] if i < len(spec) else None)) for i, d in enumerate(x.shape))
+  return [tuple(d * _devices(_entry_axes(spec[i] if i < len(spec) else None))
+                for i, d in enumerate(x.shape))
           for x, spec in zip(leaves, leaf_specs)]
 
 
-def make_reduction(fn: str, tree: PyTree, axis_name: Any, specs: PyTree,
-                   keep: Sequence[tuple[int, ...]] | None = None
-                   ) -> Reduction:
-  """The reduction for ``tree``'s clippable leaves given the user's options
-  (``keep``: per clippable leaf, the axes its units keep)."""
-  axis_names = _validation.check_axis_name(fn, axis_name)
-  if specs is None:
-    return Reduction(axis_names)
-  if not axis_names:
-    raise ValueError(
-        f"`{fn}(specs=...)` needs `axis_name`: specs say how leaves are split "
-        f"over the named axes of shard_map/pmap")
+def reduction(fn: str, tree: PyTree, where: Where,
+              keep: Sequence[Keep] | None = None) -> Reduction:
+  """The reduction for ``tree``'s clippable leaves (``keep``: per
+  clippable leaf, the axes its units keep)."""
+  if where.specs is None:
+    return Reduction(where.axis_names)
   with_paths, _ = jax.tree_util.tree_flatten_with_path(tree)
   replicated, split_kept = [], []
   clippable = ((path, spec) for (path, leaf), spec
-               in zip(with_paths, _leaf_specs(fn, tree, specs))
+               in zip(with_paths, _leaf_specs(fn, tree, where.specs))
                if _tree.is_clippable(leaf))
   for i, (path, spec) in enumerate(clippable):
     split = _spec_axes(spec)
-    if split - set(axis_names):
+    if split - set(where.axis_names):
       raise ValueError(
           f"`{fn}(specs=...)` splits leaf {jax.tree_util.keystr(path)} over "
-          f"mesh axes {sorted(map(str, split - set(axis_names)))} that are not "
-          f"in axis_name={axis_name!r}: its norm would differ per device. Add "
-          f"them to axis_name")
+          f"mesh axes {sorted(map(str, split - set(where.axis_names)))} that "
+          f"are not in axis_name={where.axis_names!r}: its norm would differ "
+          f"per device. Add them to axis_name")
     kept = [] if keep is None else [
         a for d in keep[i] if d < len(spec) for a in _entry_axes(spec[d])]
-    replicated.append(tuple(a for a in axis_names if a not in split))
+    replicated.append(tuple(a for a in where.axis_names if a not in split))
     split_kept.append(tuple(kept))
-  return Reduction(axis_names, tuple(replicated),
+  return Reduction(where.axis_names, tuple(replicated),
                    tuple(split_kept) if any(split_kept) else None)
+
+
+# Layouts on a mesh while tracing (sharded jit). On an Explicit mesh a
+# value's PartitionSpec is part of its type; on an Auto mesh the compiler
+# picks it, and propagates it through whatever values share an operation.
+
+def _mesh(x: jax.Array) -> Any:
+  """The (abstract) mesh ``x`` is laid out on while tracing, or None."""
+  mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+  return None if mesh is None or mesh.empty else mesh
+
+
+def layout_spec(x: jax.Array) -> Any:
+  """``x``'s PartitionSpec (a tuple) while tracing; "auto" on a mesh with
+  axes whose layouts the compiler picks (Auto); None off any mesh."""
+  mesh = _mesh(x)
+  if mesh is None:
+    return None
+  if any(t == jax.sharding.AxisType.Auto for t in mesh.axis_types):
+    return "auto"
+  return tuple(jax.typeof(x).sharding.spec)
+
+
+def _whole(x: jax.Array) -> jax.sharding.NamedSharding:
+  return jax.sharding.NamedSharding(_mesh(x), jax.sharding.PartitionSpec())
+
+
+def gathered(units: jax.Array) -> jax.Array:
+  """``units`` (a few per-unit values) whole on every device where an
+  Explicit mesh splits them (a layer axis sharded over a mesh axis), so
+  that they flatten and concatenate with vectors of other layouts."""
+  spec = layout_spec(units)
+  if spec is None or spec == "auto" or all(s is None for s in spec):
+    return units
+  return jax.sharding.reshard(units, _whole(units))
+
+
+def whole_on_auto_mesh(factors: jax.Array) -> jax.Array:
+  """``factors`` (one per layer or unit of a leaf) constrained whole on
+  every device of an Auto mesh: else XLA may give them the layout of a
+  vector they share with another leaf's (the statistics concatenate all
+  leaves' factors) and pass it on to the update of this leaf."""
+  if factors.ndim == 0 or layout_spec(factors) != "auto":
+    return factors
+  return lax.with_sharding_constraint(factors, _whole(factors))
+
+
+def without_leading_axis(x: jax.Array) -> Any:
+  """On an Explicit mesh, the layout of ``x`` summed over its first axis
+  (a batch): its own over the others. None elsewhere (the compiler picks)."""
+  spec = layout_spec(x)
+  if spec is None or spec == "auto":
+    return None
+  rest = (tuple(spec) + (None,) * x.ndim)[1:x.ndim]
+  return jax.sharding.NamedSharding(_mesh(x), jax.sharding.PartitionSpec(*rest))

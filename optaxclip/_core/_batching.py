@@ -15,6 +15,7 @@ compiling one concatenation grows faster than its operand count beyond a
 few hundred, and separate groups compile in parallel.
 """
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -24,14 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optaxclip._layout import gathered, layout_spec
+from optaxclip._core._mesh import Keep, Reduction, gathered, layout_spec
 
 # Leaves up to this many elements are grouped with others.
 GROUP_LIMIT = 1 << 15
 # At most this many leaves per group.
 GROUP_SIZE = 256
-
-Keep = tuple[int, ...]  # the axes of a leaf that its units keep (sorted)
 
 
 def _take(vector: jax.Array, indices) -> jax.Array:
@@ -116,6 +115,7 @@ class Grouped:
     self.kept_shapes = [tuple(x.shape[a] for a in k)
                         for x, k in zip(leaves, keep)]
     self.sizes = tuple(math.prod(shape) for shape in self.kept_shapes)
+    self.entries = sum(x.size for x in leaves)
     offsets = np.cumsum((0,) + self.sizes)
     self.groups = [self._group([leaves[i] for i in rows], rows, offsets,
                                merged=merged)
@@ -176,3 +176,47 @@ class Grouped:
       return list(self.kept_shapes)
     return [tuple(d if a in kept else 1 for a, d in enumerate(x.shape))
             for x, kept in zip(leaves, self.keep)]
+
+
+def reduce(grouped: Grouped, elementwise: Callable[[Any, Group], jax.Array],
+           reduction: Reduction, *, maximum: bool, total: bool,
+           initial: float = 0, groups: list[Group] | None = None) -> jax.Array:
+  """Sums (or maxima, at least ``initial``) of ``elementwise(values, group)``
+  per unit over all devices of ``reduction``, as a vector in unit order;
+  with ``total``, of all units together, as a scalar. ``groups`` (default
+  ``grouped.groups``) may pair the leaves with their tangents.
+  """
+  groups = grouped.groups if groups is None else groups
+  reducer = functools.partial(jnp.max, initial=initial) if maximum else jnp.sum
+  across = reduction.max if maximum else reduction.sum
+  if total and reduction.replicated_axes is None:
+    # Each group reduces to a scalar and these combine by scalar ops: no
+    # small vector is reduced (XLA:CPU compiles each small reduction as a
+    # costly kernel of its own), and the devices share one all-reduce.
+    combine = jnp.maximum if maximum else jnp.add
+    return across(functools.reduce(
+        combine, [reducer(elementwise(group.values, group))
+                  for group in groups]))
+  partials = across(grouped.per_unit(groups, elementwise, reducer),
+                    grouped.sizes)
+  if not total:
+    return partials
+  return jnp.max(partials) if maximum else jnp.sum(partials)
+
+
+def example_rows(leaves: Sequence[jax.Array]) -> list[jax.Array]:
+  """Leaves with a leading batch axis as ``[batch, entries]`` rows: each
+  example's entries of all leaves side by side, per dtype and per
+  ``GROUP_SIZE`` leaves.
+
+  A few reductions for the whole tree, which compile in a fraction of the
+  time of one per leaf (measured on 250 leaves, the norms alone: 0.25 s
+  against 1.45 s). Only for leaves off any mesh: rows would move split
+  leaves between devices.
+  """
+  by_dtype: dict[Any, list[jax.Array]] = {}
+  for x in leaves:
+    by_dtype.setdefault(x.dtype, []).append(x.reshape(x.shape[0], -1))
+  return [jnp.concatenate(rows[start:start + GROUP_SIZE], axis=1)
+          for rows in by_dtype.values()
+          for start in range(0, len(rows), GROUP_SIZE)]

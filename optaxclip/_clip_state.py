@@ -1,0 +1,84 @@
+"""``ClipState``: what a norm-based clipper keeps after each step.
+
+The pre-clip norm, the factor applied and the step counters
+(``_counters``), and with ``leaf_norms=True`` every leaf's norm; read by
+``optaxclip.stats`` as ``clip/...``.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from optaxclip import _core, _counters, _leaf_stats, _running_stats, _stats
+from optaxclip._types import PyTree
+
+
+class ClipState(NamedTuple):
+  """State of the norm-based clippers.
+
+  ``float`` below is float32, or float64 when x64 is on and ``init`` was
+  given float64 parameters (so that a float64 norm beyond float32's range
+  is logged, not taken for Inf).
+
+  Attributes:
+    norm: float ``[]``: the pre-clip norm of the last update (per-leaf
+      clippers: the largest leaf norm).
+    scale: float ``[]``: the factor applied last step (per leaf: the
+      smallest).
+    count: int32 ``[]``: steps seen.
+    clipped_count: int32 ``[]``: steps with a finite norm and ``scale < 1``.
+    nonfinite_count: int32 ``[]``: steps whose norm was NaN or Inf.
+    leaf_norms: with ``leaf_norms=True``, the last update's norm of every
+      leaf: a tree of the gradients' structure, float ``[]`` per clippable
+      leaf (``[layers]`` where ``layer_axis`` gives one), None elsewhere;
+      otherwise None (nothing kept).
+    stack_norms: with ``leaf_norms=True``, the last update's norm of every
+      leaf that stacks layers, as a whole (float ``[]``; None elsewhere);
+      otherwise None.
+  """
+  norm: jax.Array
+  scale: jax.Array
+  count: jax.Array
+  clipped_count: jax.Array
+  nonfinite_count: jax.Array
+  leaf_norms: PyTree = None
+  stack_norms: PyTree = None
+
+  @classmethod
+  def fresh(cls, dtype: jax.typing.DTypeLike, leaf_norms: PyTree = None,
+            stack_norms: PyTree = None) -> "ClipState":
+    """The state before the first step, its floats in ``dtype``."""
+    return cls(norm=jnp.zeros([], dtype), scale=jnp.ones([], dtype),
+               count=_counters.zero(), clipped_count=_counters.zero(),
+               nonfinite_count=_counters.zero(), leaf_norms=leaf_norms,
+               stack_norms=stack_norms)
+
+  def after(self, norm: jax.Array, factor: jax.Array, *, finite: jax.Array,
+            measured: _core.Measured | None = None) -> "ClipState":
+    """The state after a step with this norm and factor (and, kept, the
+    leaf norms of ``measured``), in this state's dtypes."""
+    dtype = self.norm.dtype
+    norms = stacks = None
+    if measured is not None:
+      norms, stacks = _leaf_stats.measured(measured, dtype)
+    return ClipState(norm=norm.astype(dtype), scale=factor.astype(dtype),
+                     **_counters.step_counts(self, finite=finite,
+                                             clipped=factor < 1),
+                     leaf_norms=norms, stack_norms=stacks)
+
+
+_stats.register(ClipState, "clip", hide=("leaf_norms", "stack_norms"),
+                extras=lambda state: {
+                    "clip_rate": _counters.clip_rate(state),
+                    **_leaf_stats.entries(state.leaf_norms, state.stack_norms)})
+
+
+def init_clip_state(fn: str, params: PyTree = None, *,
+                    kept: _core.Kept | None = None) -> ClipState:
+  """A fresh ``ClipState``, its floats in the statistics dtype of ``params``
+  (with ``kept``, zero leaf norms of its shapes)."""
+  dtype = _running_stats.statistics_dtype(params)
+  if kept is None:
+    return ClipState.fresh(dtype)
+  return ClipState.fresh(dtype, *_leaf_stats.zeros(fn, params, kept, dtype))

@@ -1,0 +1,116 @@
+"""The norm of some leaves as a differentiable, compiled function.
+
+``norm_of_leaves`` (all leaves together, a scalar) and ``unit_norms`` (one
+norm per unit: per leaf, per layer, per AGC unit, per example) are
+compiled once per tree structure, order, reduction and kept axes (called
+eagerly, a norm would otherwise re-trace its rescue's ``lax.cond`` at
+every call; inside a user's ``jit`` the inner jit is inlined). A traced
+order (``optax.inject_hyperparams``) dispatches with ``lax.switch``: the
+usual orders keep their fast, exact formulations. Gradients follow the
+formula of ``_tangents`` (a custom JVP), not the computation.
+"""
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+
+from optaxclip import _tree
+from optaxclip._core._batching import Grouped
+from optaxclip._core._mesh import LOCAL, Keep, Reduction
+from optaxclip._core._sums import norms_of
+from optaxclip._core._tangents import norm_tangents
+
+
+def _p_norms(leaves, p, reduction: Reduction, keep: tuple[Keep, ...] | None,
+             *, total: bool) -> jax.Array:
+  """The ``p``-norm of each unit (a vector in the accumulation dtype, in
+  unit order: see ``Grouped``) or, with ``total``, of all leaves together
+  (a scalar), differentiable by formula. A traced order is an argument of
+  its own (a custom derivative may not close over a traced value), with its
+  derivative too.
+  """
+  leaves = [jnp.asarray(x) for x in leaves]
+  acc = _tree.accumulation_dtype(leaves)
+  if not leaves:
+    return jnp.zeros([] if total else [0], acc)
+  if total:
+    keep = None  # a total keeps nothing
+
+  def grouped(leaves):
+    # A total needs no per-leaf partials: small leaves of any shape merge.
+    return Grouped(leaves, keep, merge=total and reduction.replicated_axes is None)
+
+  def tangents(leaves, dots, out, p, dp=None):
+    return norm_tangents(grouped(leaves), dots, out, p, acc, reduction,
+                         total=total, dp=dp)
+
+  @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+  def static(leaves, p):
+    return norms_of(grouped(leaves), p, acc, reduction, total=total)
+
+  @static.defjvp
+  def static_jvp(p, primals, dots):
+    (leaves,), (dots,) = primals, dots
+    out = static(leaves, p)
+    return out, tangents(leaves, dots, out, p)
+
+  @jax.custom_jvp
+  def traced(leaves, p):
+    return norms_of(grouped(leaves), p, acc, reduction, total=total)
+
+  def traced_jvp(primals, dots):
+    (leaves, p), (dots, dp) = primals, dots
+    out = traced(leaves, p)
+    dots = [jnp.zeros(x.shape, x.dtype) if isinstance(d, SymbolicZero) else d
+            for x, d in zip(leaves, dots)]
+    dp = None if isinstance(dp, SymbolicZero) else dp
+    return out, tangents(leaves, dots, out, p, dp=dp)
+
+  # Symbolic zeros: no pass over the leaves for the order's derivative
+  # unless the order is differentiated.
+  traced.defjvp(traced_jvp, symbolic_zeros=True)
+  if isinstance(p, jax.Array):
+    return traced(leaves, p)
+  return static(leaves, p)
+
+
+def _switch_on_order(norm_fn, p: jax.Array) -> jax.Array:
+  """Runs ``norm_fn`` with a traced order: the usual orders keep their own
+  formulations, any other runs the generic ``|x| ** p`` path; only the
+  selected branch runs."""
+  branches = [lambda: norm_fn(2.0), lambda: norm_fn(1.0),
+              lambda: norm_fn(math.inf), lambda: norm_fn(p)]
+  index = jnp.select([p == 2, p == 1, p == jnp.inf], [0, 1, 2], 3)
+  return lax.switch(index, branches)
+
+
+def _by_order(total: bool) -> Callable[..., jax.Array]:
+  """``_p_norms(leaves, p, reduction, keep)``, compiled once per tree
+  structure, order, reduction and kept axes; a traced order dispatches
+  with ``lax.switch``."""
+  norm_fn = functools.partial(_p_norms, total=total)
+  compiled = jax.jit(norm_fn, static_argnums=(1, 2, 3))
+
+  def call(leaves: list[jax.Array], p: Any, reduction: Reduction = LOCAL,
+           keep: tuple[Keep, ...] | None = None) -> jax.Array:
+    if not isinstance(p, jax.Array):
+      return compiled(leaves, p, reduction, keep)
+    return _switch_on_order(
+        lambda q: (norm_fn if isinstance(q, jax.Array) else compiled)(
+            leaves, q, reduction, keep), p)
+
+  return call
+
+
+# The p-norm of all leaves taken together, as a scalar.
+norm_of_leaves = _by_order(total=True)
+# The p-norm of each unit (per leaf, the axes `keep` gives it keeps), as a
+# vector in unit order, holding every device's units where a kept axis is
+# sharded (``Reduction.local``).
+unit_norms = _by_order(total=False)

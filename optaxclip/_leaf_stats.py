@@ -1,0 +1,91 @@
+"""The per-leaf norms a state keeps (``leaf_norms=True``), and their keys.
+
+A state keeps the norm of every clippable leaf as a tree of the gradients'
+structure (None where a leaf is not clippable): a scalar per leaf, or with
+``layer_axis`` a vector with one norm per layer, and then the stacked
+leaf's whole norm too (``stack_norms``: the norm of its layers' norms, the
+same partial sums). ``optaxclip.stats`` names each entry by its tree path,
+``<transform>/leaf_norm/<key>/<key>/...``, with ``/<i>`` for layer ``i``:
+dict keys, sequence indices and attribute names, in tree order, a ``/`` in
+a key written ``%2F`` (and ``%`` as ``%25``) so that keys stay one per
+leaf, and the ``.value`` of a flax.nnx Variable left out
+(docs/logging.md).
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from optaxclip import _core, _tree
+from optaxclip._types import PyTree
+
+
+def zeros(fn: str, params: PyTree, kept: _core.Kept, dtype
+          ) -> tuple[PyTree, PyTree]:
+  """The leaf norms and stack norms before the first step: zeros."""
+  shapes = _core.unit_shapes(fn, params, kept)
+  leaves, treedef = jax.tree.flatten(params)
+  shapes_iter = iter(shapes)
+  per_leaf = [next(shapes_iter) if _tree.is_clippable(x) else None
+              for x in leaves]
+  norms = treedef.unflatten([None if s is None else jnp.zeros(s, dtype)
+                             for s in per_leaf])
+  stacks = treedef.unflatten([jnp.zeros([], dtype) if s else None
+                              for s in per_leaf])
+  return norms, stacks
+
+
+def measured(measured: _core.Measured, dtype) -> tuple[PyTree, PyTree]:
+  """The leaf norms and stack norms of a ``Measured``, in ``dtype``."""
+  norms = [n.astype(dtype) for n in measured.here()]
+  stacks = [None if s is None else s.astype(dtype)
+            for s in measured.stack_norms()]
+  return measured.tree(norms), measured.tree(stacks)
+
+
+def _escaped(key: Any) -> str:
+  for attribute in ("key", "name", "idx"):
+    if hasattr(key, attribute):
+      key = getattr(key, attribute)
+      break
+  return str(key).replace("%", "%25").replace("/", "%2F")
+
+
+def _is_nnx_variable(x: Any) -> bool:
+  """A flax.nnx Variable (a Param of an nnx.State), without importing flax."""
+  return any(cls.__name__ == "Variable" and cls.__module__.startswith("flax.nnx")
+             for cls in type(x).__mro__)
+
+
+def _paths(tree: PyTree) -> dict[str, jax.Array]:
+  """The non-None leaves of ``tree`` by their escaped path; an nnx
+  Variable's array under the Variable's path."""
+  found, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_nnx_variable)
+  out = {}
+  for path, value in found:
+    if _is_nnx_variable(value):
+      value = jax.tree.leaves(value)[0] if jax.tree.leaves(value) else None
+    if value is not None:
+      out["/".join(_escaped(k) for k in path)] = jnp.asarray(value)
+  return out
+
+
+def entries(norms: PyTree, stacks: PyTree = None,
+            name: str = "leaf_norm") -> dict[str, jax.Array]:
+  """Flat ``stats`` entries ``name/<path>`` (and ``name/<path>/<i>`` per
+  layer) of a leaf-norm tree; none for None."""
+  if norms is None:
+    return {}
+  out = {}
+  totals = _paths(stacks) if stacks is not None else {}
+  for path, value in _paths(norms).items():
+    key = "/".join(filter(None, [name, path]))
+    if value.ndim == 0:
+      out[key] = value
+      continue
+    if path in totals:
+      out[key] = totals[path]
+    for i in range(value.shape[0]):
+      out[f"{key}/{i}"] = value[i]
+  return out
