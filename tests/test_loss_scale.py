@@ -1,9 +1,15 @@
 """dynamic_loss_scale: the scale schedule against a numpy re-statement, the
 whole chain skipping on overflow, float16 training, checkpoints, contract;
-accumulation (every_k_steps), DeepSpeed's and Megatron-LM's hysteresis
-(restated from their code), the floor."""
+PyTorch's GradScaler (golden and live, the migration page's recipe run as
+written), accumulation (every_k_steps), DeepSpeed's and Megatron-LM's
+hysteresis (restated from their code), the floor."""
 
+import contextlib
 import functools
+import importlib.util
+import io
+import json
+import pathlib
 import pickle
 
 import jax
@@ -11,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import test_docs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import shard_map
@@ -588,7 +595,119 @@ def test_scale_never_grows_past_a_normal_reciprocal():
 
 
 # --------------------------------------------------------------------------
-# The documented recipe multiplies in float32.
+# PyTorch's GradScaler: docs/migration/pytorch.md's recipe, followed to the
+# letter (its code blocks are run here), against GradScaler's runs: golden
+# (tests/golden/gradscaler.json) and live when torch is installed.
+
+GOLDEN_DIR = pathlib.Path(__file__).resolve().parent / "golden"
+GRADSCALER = json.loads((GOLDEN_DIR / "gradscaler.json").read_text())
+RUNS = {run["name"]: run for run in GRADSCALER["runs"]}
+PAGE = "migration/pytorch.md"
+
+
+@functools.cache
+def page_recipes() -> dict[int, dict]:
+  """The optaxclip blocks of the page's "Loss scaling" section, by the
+  micro-batches per optimizer step they set up: each block's namespace (run
+  on a copy of the one before, so that a later ``tx`` does not rebind an
+  earlier block's)."""
+  text = (test_docs.DOCS / PAGE).read_text().splitlines()
+  start = text.index("## Loss scaling") + 1
+  end = next((i for i in range(start, len(text)) if text[i].startswith("## ")),
+             len(text)) + 1
+  namespace: dict = {"__name__": "docs.loss_scaling"}
+  recipes = {}
+  for block in test_docs.parse(test_docs.DOCS / PAGE):
+    if block.skip is None and start <= block.line <= end:
+      namespace = dict(namespace)
+      with contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(block.code, f"docs/{PAGE}:{block.line}", "exec"), namespace)  # noqa: S102
+      if "train_step" in namespace and 1 not in recipes:
+        recipes[1] = namespace
+      if "micro_step" in namespace and namespace.get("k") not in recipes:
+        recipes[namespace["k"]] = namespace
+  return recipes
+
+
+def run_page_recipe(run: dict) -> dict:
+  """The page's recipe trained on a golden run's data, recorded as the
+  golden run is: the scale after each optimizer step, Adam's step count,
+  the final params."""
+  k = run["k"]
+  recipe = page_recipes()[k]
+  step = recipe["train_step" if k == 1 else "micro_step"]
+  x = np.asarray(run["x"], np.float32)
+  y = np.asarray(run["y"], np.float32)
+  y[run["nan"]] = np.nan
+  params = {"w": jnp.zeros((4, 1)), "b": jnp.zeros(1)}
+  opt_state = recipe["tx"].init(params)
+  scales, adam_steps = [], []
+  for t in range(len(x)):
+    params, opt_state = step(params, opt_state, x[t], y[t])
+    if t % k == k - 1:
+      scales.append(float(oc.loss_scale(opt_state)))
+      adam_steps.append(int(adam_state(opt_state).count))
+  return {"scales": scales, "adam_steps": adam_steps, "params": params}
+
+
+def assert_same_run(ours: dict, torch_run: dict, name: str) -> None:
+  """Scales and skipped steps equal, step by step; params to float32
+  rounding (PyTorch's Adam and clip_grad_norm_ round elsewhere)."""
+  np.testing.assert_array_equal(ours["scales"], torch_run["scales"], err_msg=name)
+  np.testing.assert_array_equal(ours["adam_steps"], torch_run["adam_steps"],
+                                err_msg=name)
+  for key in ("w", "b"):
+    np.testing.assert_allclose(np.asarray(ours["params"][key]).ravel(),
+                               np.ravel(torch_run["params"][key]),
+                               rtol=1e-4, atol=2e-5, err_msg=f"{name}: {key}")
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_page_recipe_reproduces_gradscaler(name):
+  """recipe: the scale passes 2**16 (to 2**19), where a float16 scale (the
+  old docstring's recipe) made every step at 65536 overflow; nan_steps: 25
+  NaN steps in a row take GradScaler's scale to 2**-8, which the page's
+  min_scale=2.0**-126 follows; accumulation: 4 micro-batches per step, one
+  back-off per window, growth counted in optimizer steps."""
+  run = RUNS[name]
+  ours = run_page_recipe(run)
+  assert_same_run(ours, run, name)
+  print(f"\n{name}: {len(run['scales'])} optimizer steps, scales 2**"
+        f"{int(np.log2(min(run['scales'])))} .. 2**{int(np.log2(max(run['scales'])))}, "
+        f"{len(run['scales']) - run['adam_steps'][-1]} skipped: equal to GradScaler's")
+
+
+def test_page_recipe_reproduces_live_gradscaler():
+  """The same against GradScaler run now (torch installed): the golden file
+  is what the generator gives today."""
+  pytest.importorskip("torch")
+  spec = importlib.util.spec_from_file_location("generate", GOLDEN_DIR / "generate.py")
+  generate = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(generate)
+  for name, seed, steps, outliers, nan, k in generate.GRADSCALER_RUNS:
+    x, y = generate.gradscaler_data(seed, steps, outliers)
+    np.testing.assert_array_equal(x, np.asarray(RUNS[name]["x"], np.float32))
+    live = generate.gradscaler_run(x, y, nan, k)
+    assert_same_run(run_page_recipe(RUNS[name]), live, name)
+
+
+def test_default_floor_is_not_gradscalers():
+  """Without the page's min_scale the NaN run stops backing off at 1 and
+  differs from GradScaler from there on (the documented difference)."""
+  run = RUNS["nan_steps"]
+  tx = dynamic_loss_scale(2.0**16, period=4, inner=optax.sgd(0.0))
+  state = tx.init(PARAMS)
+  scales = []
+  for t in range(len(run["scales"])):
+    overflow = t in run["nan"]
+    grads = jax.tree.map(lambda p: p * (jnp.nan if overflow else 1.0), PARAMS)
+    _, state = tx.update(grads, state, PARAMS)
+    scales.append(float(loss_scale(state)))
+  assert min(scales) == 1.0 and min(run["scales"]) == 2.0**-8
+  # From 2**17 (the scale before the NaN run), 17 back-offs reach 1.
+  assert run["scales"][4] == 2.0**17
+  assert int(state.loss_scale.min_scale_overflow_count) == 25 - 17
+
 
 def test_documented_scaling_lines_pass_2_to_the_16():
   """Every documented ``jax.grad(lambda p: loss_fn(p)... * scale)`` line
