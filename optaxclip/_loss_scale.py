@@ -7,8 +7,6 @@ again here. A too large ``S`` overflows to Inf: that step is an overflow, its
 update must not reach the optimizer, and ``S`` is divided by ``factor`` (not
 below ``min_scale``). After ``period`` finite steps in a row ``S`` is
 multiplied by ``factor``, to find the largest scale that does not overflow.
-The schedule is that of MindSpore's ``DynamicLossScaleUpdateCell`` and of
-``jmp.DynamicLossScale``.
 
 Skipping the optimizer on an overflow. ``dynamic_loss_scale(optax.adamw(...))``
 wraps the optimizer, as PyTorch's ``GradScaler.step`` does: on an overflow
@@ -23,9 +21,13 @@ while the scale's back-off sticks. The compositions that keep this:
 - ``skip_step(optax.chain(dynamic_loss_scale(), optax.adamw(...)))``:
   ``skip_step`` rolls back every inner state except the loss scale's, and
   judges its input (still scaled) divided by the scale.
-- With gradient accumulation, the loss scaling goes outside:
-  ``dynamic_loss_scale(optax.MultiSteps(...))``. Inside, the accumulator would
-  sum scaled gradients and one overflow would poison it for good.
+- With gradient accumulation, ``dynamic_loss_scale(inner, every_k_steps=k)``
+  is GradScaler's: the scale is fixed for a window of ``k`` micro-batches,
+  their unscaled sum is one optimizer step, and a window with an overflow is
+  skipped whole, with one back-off. ``dynamic_loss_scale(optax.MultiSteps(
+  ...))`` drops only the overflowed micro-batch and backs off at once (its
+  ``period`` counts micro-batches). Inside ``MultiSteps`` the accumulator
+  would sum scaled gradients, and one overflow would poison it for good.
 
 The chain form, ``optax.chain(dynamic_loss_scale(), optax.adamw(...))``,
 passes zeros on after an overflow: the params stay finite, but what follows
@@ -45,8 +47,9 @@ put them after too) or when the loss scaling sits inside
 ``optax.MultiSteps`` or ``optax.apply_if_finite`` (which would roll the
 back-off back: the next steps would overflow again).
 
-The settings (``period``, ``factor``, ``min_scale``) live in the transform,
-not in the state: a state that went through ``jit``, flattening or a
+The schedule (``_loss_scale_schedule``) is GradScaler's, with DeepSpeed's
+and Megatron-LM's hysteresis as options. Its settings live in the
+transform, not in the state: a state that went through ``jit``, flattening or a
 checkpoint keeps every field, and a restored run goes on with the same
 schedule (``jmp`` loses ``min_loss_scale`` on a ``jit`` round-trip).
 """
@@ -57,42 +60,18 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxclip import _core, _counters, _placement, _scaling, _stats, _validation
+from optaxclip import _core, _counters, _placement, _scaling, _stats, _tree, _validation
+from optaxclip._loss_scale_schedule import (
+  MAX_SCALE,
+  MIN_SCALE,
+  LossScaleState,
+  Schedule,
+  adjust,
+  raise_at_floor,
+)
 from optaxclip._types import AxisName, Scalar
 
 PyTree = Any
-
-# The largest loss scale: the gradients are unscaled by 1/scale, and above
-# 2**126 that reciprocal is subnormal, which XLA:CPU and GPUs flush to zero
-# (every unscaled gradient would be 0, and no overflow would ever be seen).
-MAX_SCALE = 2.0**126
-
-
-class LossScaleState(NamedTuple):
-  """State of ``dynamic_loss_scale``; every field is a scalar.
-
-  Attributes:
-    scale: float32 ``[]``: the loss scale for the next step (multiply the
-      loss by it before ``jax.grad``).
-    good_steps: int32 ``[]``: finite steps since the scale last changed.
-    count: int32 ``[]``: steps seen.
-    overflow_count: int32 ``[]``: steps whose gradients overflowed.
-  """
-  scale: jax.Array
-  good_steps: jax.Array
-  count: jax.Array
-  overflow_count: jax.Array
-
-  @classmethod
-  def fresh(cls, scale: jax.typing.ArrayLike) -> "LossScaleState":
-    """The state before the first step, with the loss scale ``scale``."""
-    # A copy: the state must not alias the user's (or an injected) array,
-    # or donating the state would delete it, or donate one buffer twice.
-    # At most MAX_SCALE (a traced initial_scale is clamped to it).
-    return cls(scale=jnp.minimum(jnp.array(scale, jnp.float32, copy=True),
-                                 MAX_SCALE),
-               good_steps=_counters.zero(), count=_counters.zero(),
-               overflow_count=_counters.zero())
 
 
 class LossScaleWrapperState(NamedTuple):
@@ -102,12 +81,16 @@ class LossScaleWrapperState(NamedTuple):
     loss_scale: the ``LossScaleState``, read by ``optaxclip.stats`` as
       ``loss_scale/<field>``.
     inner_state: the wrapped optimizer's state.
+    accumulated: with ``every_k_steps``, the unscaled sum of the window's
+      micro-batches so far (float32 or wider, shaped as the params); else None.
   """
   loss_scale: LossScaleState
   inner_state: optax.OptState
+  accumulated: PyTree = None
 
 
-_stats.register(LossScaleState, "loss_scale", clips=False)
+_stats.register(LossScaleState, "loss_scale", clips=False,
+                hide=("micro_step", "window_overflows"))
 _placement.register_loss_scale(LossScaleState, LossScaleWrapperState)
 
 
@@ -122,8 +105,9 @@ def loss_scale(opt_state: optax.OptState) -> jax.Array:
     opt_state: an optax optimizer state built with ``dynamic_loss_scale``.
 
   Returns:
-    The scale, a float32 scalar: multiply the loss by it before ``jax.grad``
-    (cast to the loss's dtype, as ``jmp`` does).
+    The scale, a float32 scalar: multiply the loss by it before ``jax.grad``,
+    in float32 (``loss.astype(jnp.float32) * scale``, as PyTorch's
+    ``scaler.scale(loss)``: a float16 scale would be Inf from 2**16 on).
 
   Raises:
     ValueError: when ``opt_state`` holds no loss-scale state, or several;
@@ -174,102 +158,178 @@ def unscale(updates: PyTree, state: LossScaleState, *,
   return _scaling.zero_unless(finite, unscaled), finite
 
 
-def adjust(state: LossScaleState, finite: jax.Array, *, period: Scalar,
-           factor: Scalar, min_scale: Scalar) -> LossScaleState:
-  """The state after one step: back off on an overflow, grow after
-  ``period`` finite steps in a row (never above ``MAX_SCALE``)."""
-  scale = state.scale
-  factor = jnp.asarray(factor, jnp.float32)
-  grown = scale * factor
-  grow = state.good_steps + 1 >= period
-  increment = _counters.increment
-  new_scale = jnp.where(
-      finite,
-      jnp.where(grow & (grown <= MAX_SCALE), grown, scale),
-      jnp.maximum(jnp.asarray(min_scale, jnp.float32), scale / factor))
-  return LossScaleState(
-      scale=new_scale.astype(jnp.float32),
-      good_steps=jnp.where(finite & ~grow, increment(state.good_steps),
-                           jnp.zeros([], jnp.int32)),
-      count=increment(state.count),
-      overflow_count=jnp.where(finite, state.overflow_count,
-                               increment(state.overflow_count)))
+def _accumulator(fn: str, params: PyTree) -> PyTree:
+  """Zeros for the window's sum: float32 or wider per floating leaf (an
+  int32 placeholder for the others, which pass through)."""
+  if params is None:
+    raise ValueError(f"`{fn}(every_k_steps=...)` sums the gradients of a "
+                     f"window: `init` needs the params (or their "
+                     f"jax.ShapeDtypeStruct), got None")
+  def zeros(p):
+    if not _tree.is_clippable(p):
+      return _counters.zero()
+    p = _tree.as_array(p)
+    return jnp.zeros_like(p, jnp.promote_types(p.dtype, jnp.float32))
+
+  return jax.tree.map(zeros, params)
+
+
+def _count(new: LossScaleState, old: LossScaleState, finite: jax.Array
+           ) -> LossScaleState:
+  return new._replace(count=_counters.increment(old.count),
+                      overflow_count=_counters.count_if(~finite,
+                                                        old.overflow_count))
+
+
+def _advance(state: LossScaleState, finite: jax.Array, unscaled: PyTree,
+             accumulated: PyTree, schedule: Schedule, every_k_steps: Any):
+  """One update: the new state, the gradients for the optimizer, the
+  accumulator, whether the optimizer steps, whether a back-off was due at
+  the floor. Without an accumulator each update is an optimizer step;
+  with one, the ``every_k_steps``-th micro-batch of a window is."""
+  if accumulated is None:
+    new, at_floor = adjust(state, finite, schedule)
+    return _count(new, state, finite), unscaled, None, finite, at_floor
+  micro = _counters.increment(state.micro_step)
+  last = micro >= every_k_steps
+  window_finite = finite & (state.window_overflows == 0)
+  summed = jax.tree.map(
+      lambda u, a: a + u.astype(a.dtype) if _tree.is_clippable(u) else a,
+      unscaled, accumulated)
+  grads = jax.tree.map(
+      lambda u, s: s.astype(u.dtype) if _tree.is_clippable(u) else u,
+      unscaled, summed)
+  adjusted, at_floor = adjust(state, window_finite, schedule)
+  # The scale and its schedule change at the end of a window only.
+  new = jax.tree.map(lambda a, b: jnp.where(last, a, b), adjusted, state)
+  restart = jnp.zeros([], jnp.int32)
+  new = new._replace(
+      micro_step=jnp.where(last, restart, micro),
+      window_overflows=jnp.where(last, restart, _counters.count_if(
+          ~finite, state.window_overflows)))
+  accumulated = jax.tree.map(lambda s: jnp.where(last, jnp.zeros_like(s), s),
+                             summed)
+  return (_count(new, state, finite), grads, accumulated,
+          last & window_finite, last & at_floor)
 
 
 def _is_transform(x: Any) -> TypeGuard[optax.GradientTransformation]:
   return hasattr(x, "init") and hasattr(x, "update")
 
 
+def _check_scale(fn: str, arg: str, value: Any) -> Any:
+  """A number in [MIN_SCALE, MAX_SCALE]; traced, any other acts as 1 (and
+  a traced ``initial_scale`` is clamped to ``MAX_SCALE`` at ``init``)."""
+  value = _validation.check_positive(fn, arg, value, traced=1.0)
+  if _validation.is_traced(value):
+    return value
+  if float(value) > MAX_SCALE:
+    raise ValueError(
+        f"`{fn}({arg}=...)` must be at most 2**126 (above it 1/scale is "
+        f"subnormal and flushes to zero, zeroing every gradient), got "
+        f"{value!r}")
+  if float(value) < MIN_SCALE:
+    raise ValueError(
+        f"`{fn}({arg}=...)` must be at least 2**-126 (below it the scale is "
+        f"subnormal and flushes to zero, and 1/scale overflows), got "
+        f"{value!r}")
+  return value
+
+
+def _schedule(fn: str, first: Any, period: Any, factor: Any, min_scale: Any,
+              hysteresis: Any, consecutive_hysteresis: Any,
+              growth_delay: Any) -> Schedule:
+  """The checked settings of the schedule."""
+  lowest = _check_scale(fn, "min_scale", min_scale)
+  if not any(map(_validation.is_traced, (first, lowest))) \
+      and float(lowest) > float(first):
+    raise ValueError(
+        f"`{fn}(min_scale=...)` must be <= initial_scale, got min_scale="
+        f"{lowest!r} > initial_scale={first!r}")
+  return Schedule(
+      period=_validation.check_integer(fn, "period", period, 1),
+      factor=_validation.check_at_least(fn, "factor", factor, 1),
+      min_scale=lowest,
+      hysteresis=_validation.check_integer(fn, "hysteresis", hysteresis, 1),
+      consecutive_hysteresis=_validation.check_bool(
+          fn, "consecutive_hysteresis", consecutive_hysteresis),
+      growth_delay=_validation.check_integer(fn, "growth_delay",
+                                             growth_delay, 0))
+
+
+def _windows(fn: str, every_k_steps: Any, inner: Any) -> Any:
+  """``every_k_steps`` checked, or None when each update is one step."""
+  if every_k_steps is None:
+    return None
+  k = _validation.check_integer(fn, "every_k_steps", every_k_steps, 1)
+  if inner is None:
+    raise ValueError(
+        f"`{fn}(every_k_steps={every_k_steps!r})` needs the optimizer, which "
+        f"steps once per window: dynamic_loss_scale(optimizer, "
+        f"every_k_steps={every_k_steps!r})")
+  # An injected (array) value may change: keep the accumulator for it.
+  return None if isinstance(k, int) and k == 1 else k
+
+
 def dynamic_loss_scale(
     # a number, or the optimizer (as `inner`)
     initial_scale: Scalar | optax.GradientTransformation = 2.0**15,
     *, period: Scalar = 2000, factor: Scalar = 2.0, min_scale: Scalar = 1.0,
-    axis_name: AxisName = None, inner: optax.GradientTransformation | None = None,
+    hysteresis: Scalar = 1, consecutive_hysteresis: bool = False,
+    growth_delay: Scalar = 0, every_k_steps: Scalar | None = None,
+    raise_error_at_min_scale: bool = False, axis_name: AxisName = None,
+    inner: optax.GradientTransformation | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Unscales loss-scaled gradients and adapts the loss scale (float16).
 
-  Multiply the loss by ``loss_scale(opt_state)`` before ``jax.grad``; this
-  transform divides the gradients by that scale. When the unscaled gradients
-  hold NaN or Inf (an overflow), the scale is divided by ``factor`` (not
-  below ``min_scale``); after ``period`` finite steps in a row it is
-  multiplied by ``factor`` (unless that would overflow float32).
-
-  With ``inner`` (or an optimizer as the first argument), it wraps ``inner``:
-  the unscaled gradients go to ``inner`` (extra arguments too), and on an
-  overflow the updates are zeros and ``inner``'s state stays bit for bit as
-  it was, while the scale's back-off sticks. Clippers go inside::
+  Multiply the loss by ``loss_scale(opt_state)``, in float32, before
+  ``jax.grad``; this divides the gradients by it. An overflow (NaN or Inf;
+  the ``hysteresis``-th) divides the scale by ``factor``, not below
+  ``min_scale``; ``period`` finite steps in a row multiply it by ``factor``.
+  Wrapping ``inner`` (clippers go inside), an overflow skips its step (zero
+  updates, its state untouched)::
 
     tx = dynamic_loss_scale(optax.chain(clip_by_global_norm(1.0), optax.adamw(1e-3)))
-    scale = loss_scale(opt_state)
-    grads = jax.grad(lambda p: loss_fn(p) * scale.astype(jnp.float16))(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
+    grads = jax.grad(lambda p: loss_fn(p).astype(jnp.float32) * scale)(params)
 
-  Without ``inner`` it is a chain element, first in the chain: an overflow
-  passes zeros on, so what follows stays finite but takes a zero-gradient
-  step (see the module docstring).
-
-  Injected with ``optax.inject_hyperparams``, the hyperparameters are
-  checked when ``init`` runs eagerly. Traced (a jitted ``init``, or an update
-  after a change of the state's hyperparameters), an ``initial_scale`` or
-  ``min_scale`` that is not a finite number > 0 acts as 1, and ``factor`` and
-  ``period`` are clamped to at least 1 (NaN as 1).
+  PyTorch's, DeepSpeed's and Megatron-LM's settings: docs/migration/pytorch.md.
+  Injected and traced (``optax.inject_hyperparams``), a bad scale acts as 1
+  and ``factor`` and the ints are clamped to their least value (NaN too).
 
   Args:
-    initial_scale: the first loss scale (a number > 0, at most 2**126, the
-      largest scale the growth reaches too). Powers of two keep the
-      unscaling exact. An optax transformation here is taken as
-      ``inner`` (the scale is then 2**15).
-    period: finite steps in a row after which the scale grows (an int >= 1).
-    factor: what the scale is multiplied (grow) or divided (overflow) by (a
-      number >= 1; 1 keeps the scale fixed, overflow steps still count).
-    min_scale: the smallest scale a back-off may reach (a number > 0, at
-      most ``initial_scale``).
-    axis_name: under ``shard_map``/``pmap``, the axis name(s) the gradients
-      are split over: every device then agrees on the overflow.
+    initial_scale: the first scale, in [2**-126, 2**126]; or ``inner``.
+    period: finite optimizer steps in a row before the scale grows.
+    factor: what the scale is multiplied or divided by (a number >= 1).
+    min_scale: the smallest scale (GradScaler has none: 2.0**-126).
+    hysteresis: overflows it takes to back off (an int >= 1).
+    consecutive_hysteresis: refill it at every finite step, not at growth.
+    growth_delay: finite steps added before the first growth after an
+      overflow or at the start (an int >= 0; DeepSpeed: 1).
+    every_k_steps: micro-batches per optimizer step (their unscaled sum;
+      needs ``inner``), or None: one.
+    raise_error_at_min_scale: raise ``NonFiniteGradientError`` on an
+      overflow at ``min_scale`` (else it is counted).
+    axis_name: ``shard_map``/``pmap`` axes: every device agrees on overflows.
     inner: the optimizer whose steps an overflow drops, or None.
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    An ``optax.GradientTransformationExtraArgs``; its state is a
     ``LossScaleState`` (a ``LossScaleWrapperState`` with ``inner``).
 
   Examples:
     >>> import jax.numpy as jnp
     >>> import optax
     >>> from optaxclip import dynamic_loss_scale
-    >>> tx = dynamic_loss_scale(2.0**15, period=2)
-    >>> state = tx.init({"w": jnp.zeros(2)})
-    >>> grads, state = tx.update({"w": jnp.array([2.0**15, 2.0**16])}, state)
-    >>> grads["w"], state.scale
-    (Array([1., 2.], dtype=float32), Array(32768., dtype=float32))
-    >>> grads, state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, state)
-    >>> grads["w"], state.scale, state.overflow_count  # overflow: backed off
-    (Array([0., 0.], dtype=float32), Array(16384., dtype=float32), Array(1, dtype=int32))
-    >>> tx = dynamic_loss_scale(optax.adam(0.1))  # wraps the optimizer
-    >>> params = {"w": jnp.ones(2)}
+    >>> tx = dynamic_loss_scale(optax.sgd(1.0), every_k_steps=2)
+    >>> params = {"w": jnp.zeros(2)}
     >>> state = tx.init(params)
-    >>> updates, state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, state, params)
-    >>> updates["w"], state.loss_scale.scale, state.inner_state[0].count
-    (Array([0., 0.], dtype=float32), Array(16384., dtype=float32), Array(0, dtype=int32))
+    >>> for g in (1.0, 2.0, jnp.inf, 1.0):  # two windows; the second overflows
+    ...   updates, state = tx.update({"w": jnp.full(2, g * 2.0**15)}, state, params)
+    ...   print(updates["w"], state.loss_scale.scale)
+    [0. 0.] 32768.0
+    [-3. -3.] 32768.0
+    [0. 0.] 32768.0
+    [0. 0.] 16384.0
 
   References:
     Micikevicius et al., [Mixed Precision Training](https://arxiv.org/abs/1710.03740), 2018.
@@ -283,50 +343,44 @@ def dynamic_loss_scale(
   if inner is not None and not _is_transform(inner):
     raise TypeError(f"`{fn}(inner=...)` must be an optax GradientTransformation "
                     f"or None, got {inner!r}")
-  first: Any = _validation.check_positive(fn, "initial_scale", initial_scale,
-                                          traced=1.0)
-  period = _validation.check_integer(fn, "period", period, 1)
-  factor = _validation.check_at_least(fn, "factor", factor, 1)
-  lowest: Any = _validation.check_positive(fn, "min_scale", min_scale,
-                                           traced=1.0)
-  for arg, value in (("initial_scale", first), ("min_scale", lowest)):
-    if not _validation.is_traced(value) and float(value) > MAX_SCALE:
-      raise ValueError(
-          f"`{fn}({arg}=...)` must be at most 2**126 (above it 1/scale is "
-          f"subnormal and flushes to zero, zeroing every gradient), got "
-          f"{value!r}")
-  if not any(map(_validation.is_traced, (first, lowest))) \
-      and float(lowest) > float(first):
-    raise ValueError(
-        f"`{fn}(min_scale=...)` must be <= initial_scale, got min_scale="
-        f"{lowest!r} > initial_scale={first!r}")
+  first = _check_scale(fn, "initial_scale", initial_scale)
+  schedule = _schedule(fn, first, period, factor, min_scale, hysteresis,
+                       consecutive_hysteresis, growth_delay)
+  raise_at_min = _validation.check_bool(fn, "raise_error_at_min_scale",
+                                        raise_error_at_min_scale)
+  k = _windows(fn, every_k_steps, inner)
   _validation.check_axis_name(fn, axis_name)
-  schedule = {"period": period, "factor": factor, "min_scale": lowest}
   wrapped = None if inner is None else optax.with_extra_args_support(inner)
 
   def init_fn(params):
-    state = LossScaleState.fresh(first)
+    state = LossScaleState.fresh(first, hysteresis=schedule.hysteresis,
+                                 growth_delay=schedule.growth_delay)
     if wrapped is None:
       return state
     inner_state = wrapped.init(params)
     _placement.check_placement(inner_state, f"{fn}(inner=...).init",
                                "inner_state")
-    return LossScaleWrapperState(state, inner_state)
+    accumulated = None if k is None else _accumulator(fn, params)
+    return LossScaleWrapperState(state, inner_state, accumulated)
 
   def update_fn(updates, state, params=None, **extra_args):
     _validation.check_update(fn, updates, state, LossScaleState if wrapped is None
                              else LossScaleWrapperState)
-    scale_state = state if wrapped is None else state.loss_scale
-    unscaled, finite = unscale(updates, scale_state, axis_name=axis_name)
-    scale_state = adjust(scale_state, finite, **schedule)
+    old = state if wrapped is None else state.loss_scale
+    unscaled, finite = unscale(updates, old, axis_name=axis_name)
+    new, grads, accumulated, step, at_floor = _advance(
+        old, finite, unscaled, None if wrapped is None else state.accumulated,
+        schedule, k)
+    if raise_at_min:
+      raise_at_floor(fn, at_floor, old.scale)
     if wrapped is None:
-      return unscaled, scale_state
-    new_updates, new_inner = wrapped.update(unscaled, state.inner_state,
+      return grads, new
+    new_updates, new_inner = wrapped.update(grads, state.inner_state,
                                             params, **extra_args)
     # Selected on the device (no host sync): an overflow drops the step.
-    new_updates = _scaling.zero_unless(finite, new_updates)
-    new_inner = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+    new_updates = _scaling.zero_unless(step, new_updates)
+    new_inner = jax.tree.map(lambda new, old: jnp.where(step, new, old),
                              new_inner, state.inner_state)
-    return new_updates, LossScaleWrapperState(scale_state, new_inner)
+    return new_updates, LossScaleWrapperState(new, new_inner, accumulated)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

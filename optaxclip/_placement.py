@@ -82,7 +82,9 @@ _NOT_AROUND = {
     optax.MultiStepsState: (
         "optax.MultiSteps, whose accumulator would then sum scaled gradients: "
         "one overflow makes it NaN for good (MultiSteps resets it by "
-        "multiplying by 0). Put the loss scaling outside: "
+        "multiplying by 0). Let the loss scaling accumulate, "
+        "optaxclip.dynamic_loss_scale(optimizer, every_k_steps=k) "
+        "(PyTorch's GradScaler), or put it outside: "
         "optaxclip.dynamic_loss_scale(optax.MultiSteps(optimizer, k))"),
     optax.ApplyIfFiniteState: (
         "optax.apply_if_finite, which rolls the scale's back-off back on an "

@@ -1,6 +1,15 @@
 """dynamic_loss_scale: the scale schedule against a numpy re-statement, the
-whole chain skipping on overflow, float16 training, checkpoints, contract."""
+whole chain skipping on overflow, float16 training, checkpoints, contract;
+PyTorch's GradScaler (golden and live, the migration page's recipe run as
+written), accumulation (every_k_steps), DeepSpeed's and Megatron-LM's
+hysteresis (restated from their code), the floor."""
 
+import contextlib
+import functools
+import importlib.util
+import io
+import json
+import pathlib
 import pickle
 
 import jax
@@ -8,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import test_docs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import shard_map
@@ -483,8 +493,11 @@ def test_float16_training_learns_only_with_loss_scaling(wrapped):
   def train(scaled, steps=40):
     @jax.jit
     def step(w, state):
-      scale = loss_scale(state).astype(jnp.float16) if scaled else jnp.float16(1)
-      loss, grads = jax.value_and_grad(lambda w: loss_fn(w) * scale)(w)
+      scale = loss_scale(state) if scaled else jnp.float32(1)
+      # The documented recipe: a float32 product. The loss is float16 here,
+      # so its cotangent (the scale) is float16 in the backward pass, Inf
+      # from 2**16 on, in JAX as in PyTorch: 2**20 .. 2**16 overflow.
+      grads = jax.grad(lambda w: loss_fn(w).astype(jnp.float32) * scale)(w)
       updates, state = tx.update(grads, state, w)
       return optax.apply_updates(w, updates), state, grads
 
@@ -534,7 +547,9 @@ def test_stats_report_the_loss_scale():
   tx = optax.chain(dynamic_loss_scale(2.0**4), optax.sgd(0.1))
   _, state = tx.update(tree_like(), tx.init(tree_like()))
   assert oc.stats(state) == {"loss_scale/scale": 16.0, "loss_scale/good_steps": 1,
-                             "loss_scale/count": 1, "loss_scale/overflow_count": 0}
+                             "loss_scale/hysteresis": 1, "loss_scale/count": 1,
+                             "loss_scale/overflow_count": 0,
+                             "loss_scale/min_scale_overflow_count": 0}
 
 
 def test_optimizer_given_twice_is_an_error():
@@ -577,3 +592,483 @@ def test_scale_never_grows_past_a_normal_reciprocal():
   unscaled, state = update(grads, state)
   for leaf in jax.tree.leaves(unscaled):
     np.testing.assert_array_equal(leaf, 1.0)
+
+
+# --------------------------------------------------------------------------
+# PyTorch's GradScaler: docs/migration/pytorch.md's recipe, followed to the
+# letter (its code blocks are run here), against GradScaler's runs: golden
+# (tests/golden/gradscaler.json) and live when torch is installed.
+
+GOLDEN_DIR = pathlib.Path(__file__).resolve().parent / "golden"
+GRADSCALER = json.loads((GOLDEN_DIR / "gradscaler.json").read_text())
+RUNS = {run["name"]: run for run in GRADSCALER["runs"]}
+PAGE = "migration/pytorch.md"
+
+
+@functools.cache
+def page_recipes() -> dict[int, dict]:
+  """The optaxclip blocks of the page's "Loss scaling" section, by the
+  micro-batches per optimizer step they set up: each block's namespace (run
+  on a copy of the one before, so that a later ``tx`` does not rebind an
+  earlier block's)."""
+  text = (test_docs.DOCS / PAGE).read_text().splitlines()
+  start = text.index("## Loss scaling") + 1
+  end = next((i for i in range(start, len(text)) if text[i].startswith("## ")),
+             len(text)) + 1
+  namespace: dict = {"__name__": "docs.loss_scaling"}
+  recipes = {}
+  for block in test_docs.parse(test_docs.DOCS / PAGE):
+    if block.skip is None and start <= block.line <= end:
+      namespace = dict(namespace)
+      with contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(block.code, f"docs/{PAGE}:{block.line}", "exec"), namespace)  # noqa: S102
+      if "train_step" in namespace and 1 not in recipes:
+        recipes[1] = namespace
+      if "micro_step" in namespace and namespace.get("k") not in recipes:
+        recipes[namespace["k"]] = namespace
+  return recipes
+
+
+def run_page_recipe(run: dict) -> dict:
+  """The page's recipe trained on a golden run's data, recorded as the
+  golden run is: the scale after each optimizer step, Adam's step count,
+  the final params."""
+  k = run["k"]
+  recipe = page_recipes()[k]
+  step = recipe["train_step" if k == 1 else "micro_step"]
+  x = np.asarray(run["x"], np.float32)
+  y = np.asarray(run["y"], np.float32)
+  y[run["nan"]] = np.nan
+  params = {"w": jnp.zeros((4, 1)), "b": jnp.zeros(1)}
+  opt_state = recipe["tx"].init(params)
+  scales, adam_steps = [], []
+  for t in range(len(x)):
+    params, opt_state = step(params, opt_state, x[t], y[t])
+    if t % k == k - 1:
+      scales.append(float(oc.loss_scale(opt_state)))
+      adam_steps.append(int(adam_state(opt_state).count))
+  return {"scales": scales, "adam_steps": adam_steps, "params": params}
+
+
+def assert_same_run(ours: dict, torch_run: dict, name: str) -> None:
+  """Scales and skipped steps equal, step by step; params to float32
+  rounding (PyTorch's Adam and clip_grad_norm_ round elsewhere)."""
+  np.testing.assert_array_equal(ours["scales"], torch_run["scales"], err_msg=name)
+  np.testing.assert_array_equal(ours["adam_steps"], torch_run["adam_steps"],
+                                err_msg=name)
+  for key in ("w", "b"):
+    np.testing.assert_allclose(np.asarray(ours["params"][key]).ravel(),
+                               np.ravel(torch_run["params"][key]),
+                               rtol=1e-4, atol=2e-5, err_msg=f"{name}: {key}")
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_page_recipe_reproduces_gradscaler(name):
+  """recipe: the scale passes 2**16 (to 2**19), where a float16 scale (the
+  old docstring's recipe) made every step at 65536 overflow; nan_steps: 25
+  NaN steps in a row take GradScaler's scale to 2**-8, which the page's
+  min_scale=2.0**-126 follows; accumulation: 4 micro-batches per step, one
+  back-off per window, growth counted in optimizer steps."""
+  run = RUNS[name]
+  ours = run_page_recipe(run)
+  assert_same_run(ours, run, name)
+  print(f"\n{name}: {len(run['scales'])} optimizer steps, scales 2**"
+        f"{int(np.log2(min(run['scales'])))} .. 2**{int(np.log2(max(run['scales'])))}, "
+        f"{len(run['scales']) - run['adam_steps'][-1]} skipped: equal to GradScaler's")
+
+
+def test_page_recipe_reproduces_live_gradscaler():
+  """The same against GradScaler run now (torch installed): the golden file
+  is what the generator gives today."""
+  pytest.importorskip("torch")
+  spec = importlib.util.spec_from_file_location("generate", GOLDEN_DIR / "generate.py")
+  generate = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(generate)
+  for name, seed, steps, outliers, nan, k in generate.GRADSCALER_RUNS:
+    x, y = generate.gradscaler_data(seed, steps, outliers)
+    np.testing.assert_array_equal(x, np.asarray(RUNS[name]["x"], np.float32))
+    live = generate.gradscaler_run(x, y, nan, k)
+    assert_same_run(run_page_recipe(RUNS[name]), live, name)
+
+
+def test_default_floor_is_not_gradscalers():
+  """Without the page's min_scale the NaN run stops backing off at 1 and
+  differs from GradScaler from there on (the documented difference)."""
+  run = RUNS["nan_steps"]
+  tx = dynamic_loss_scale(2.0**16, period=4, inner=optax.sgd(0.0))
+  state = tx.init(PARAMS)
+  scales = []
+  for t in range(len(run["scales"])):
+    overflow = t in run["nan"]
+    grads = jax.tree.map(lambda p: p * (jnp.nan if overflow else 1.0), PARAMS)
+    _, state = tx.update(grads, state, PARAMS)
+    scales.append(float(loss_scale(state)))
+  assert min(scales) == 1.0 and min(run["scales"]) == 2.0**-8
+  # From 2**17 (the scale before the NaN run), 17 back-offs reach 1.
+  assert run["scales"][4] == 2.0**17
+  assert int(state.loss_scale.min_scale_overflow_count) == 25 - 17
+
+
+def test_documented_scaling_lines_pass_2_to_the_16():
+  """Every documented ``jax.grad(lambda p: loss_fn(p)... * scale)`` line
+  (docstrings) gives finite gradients at scale 2**19 for a float32 loss of
+  float16 maths, as GradScaler does; ``scale.astype(jnp.float16)`` gave Inf."""
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 4)), jnp.float32) * 0.1
+
+  def loss_fn(p):
+    return jnp.mean((x.astype(jnp.float16) @ p.astype(jnp.float16)).astype(
+        jnp.float32) ** 2)
+
+  params, scale = jnp.ones(4) * 0.1, jnp.float32(2.0**19)
+  lines = [line.strip() for line in dynamic_loss_scale.__doc__.splitlines()
+           if "jax.grad(lambda p:" in line]
+  assert lines
+  want = jax.grad(lambda p: loss_fn(p) * scale)(params)
+  for line in lines:
+    namespace = {"jax": jax, "jnp": jnp, "loss_fn": loss_fn, "scale": scale,
+                 "params": params}
+    exec(line, namespace)  # noqa: S102
+    assert np.all(np.isfinite(namespace["grads"])), line
+    np.testing.assert_array_equal(namespace["grads"], want)
+
+
+# --------------------------------------------------------------------------
+# Accumulation: every_k_steps
+
+K = 3
+SEQUENCE = [1.0, 2.0, 0.5, 1.0, jnp.inf, 1.0, jnp.nan, jnp.inf, 2.0, 1.0, 1.0, 3.0,
+            1.0, 1.0, 1.0, 0.5, 0.25, 2.0]
+
+
+def accumulate_run(tx, sequence=SEQUENCE):
+  """Micro-batch t's gradient is ``(p - 0.5) * factor_t * scale`` (Inf/NaN
+  factors overflow); returns per micro-batch the scale used, the updates,
+  the state after."""
+  @jax.jit
+  def step(params, state, factor):
+    grads = jax.tree.map(lambda p: (p - 0.5) * factor * loss_scale(state), params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, updates
+
+  params, state, rows = PARAMS, tx.init(PARAMS), []
+  for factor in sequence:
+    used = float(loss_scale(state))
+    params, state, updates = step(params, state, jnp.float32(factor))
+    rows.append((used, updates, state))
+  return params, rows
+
+
+def test_every_k_steps_is_a_hand_written_accumulation_loop():
+  """Scale fixed per window, each micro-batch unscaled and summed, one check
+  per window, the optimizer (clip + Adam) stepped on the finite windows
+  only, GradScaler's schedule on the windows' outcomes."""
+  inner = lambda: optax.chain(oc.clip_by_global_norm(1.0), optax.adam(0.1))  # noqa: E731
+  tx = dynamic_loss_scale(2.0**10, period=2, inner=inner(), every_k_steps=K)
+  params, rows = accumulate_run(tx)
+  # The loop, by hand.
+  opt = inner()
+  ref, opt_state, scale, good = PARAMS, opt.init(PARAMS), 2.0**10, 0
+  scales = []
+  for w in range(len(SEQUENCE) // K):
+    factors = SEQUENCE[w * K:(w + 1) * K]
+    scaled = [jax.tree.map(lambda p, f=f: (p - 0.5) * f * jnp.float32(scale), ref)
+              for f in factors]
+    unscaled = [jax.tree.map(lambda g: g * (1 / jnp.float32(scale)), g) for g in scaled]
+    finite = all(bool(jnp.all(jnp.isfinite(x))) for g in unscaled for x in jax.tree.leaves(g))
+    scales += [scale] * K
+    if finite:
+      total = jax.tree.map(lambda *g: sum(g[1:], g[0]), *unscaled)
+      updates, opt_state = opt.update(total, opt_state, ref)
+      ref = optax.apply_updates(ref, updates)
+      good += 1
+      if good == 2:
+        scale, good = scale * 2, 0
+    else:
+      scale, good = scale / 2, 0
+  assert [used for used, _, _ in rows] == scales
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+               params, ref)
+  assert float(loss_scale(rows[-1][2])) == scale
+
+
+def test_a_window_with_an_overflow_is_skipped_whole():
+  tx = dynamic_loss_scale(2.0**10, period=100, inner=optax.adam(0.1), every_k_steps=K)
+  _, rows = accumulate_run(tx)
+  states = [state for _, _, state in rows]
+  # Window 1 (micro-batches 3..5) has an Inf, window 2 (6..8) a NaN and an
+  # Inf: every update is zero, Adam's state is what window 0 left, bit for
+  # bit, and each window backs off once.
+  after_first = adam_state(states[2])
+  for t in range(3, 9):
+    assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(rows[t][1]))
+    for a, b in zip(jax.tree.leaves(adam_state(states[t])), jax.tree.leaves(after_first)):
+      assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+  assert [used for used, _, _ in rows[:12]] == [2.0**10] * 6 + [2.0**9] * 3 + [2.0**8] * 3
+  assert int(states[8].loss_scale.overflow_count) == 3  # micro-batches
+  assert int(adam_state(states[-1]).count) == len(SEQUENCE) // K - 2
+  # Only the last micro-batch of a finite window moves the params; the
+  # accumulator is empty after each window.
+  assert not all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(rows[11][1]))
+  assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(rows[10][1]))
+  assert all(np.all(np.asarray(a) == 0) for a in jax.tree.leaves(states[11].accumulated))
+  assert int(states[10].loss_scale.micro_step) == 2
+  assert int(states[11].loss_scale.micro_step) == 0
+
+
+def test_period_counts_optimizer_steps():
+  tx = dynamic_loss_scale(2.0**4, period=2, inner=optax.sgd(0.1), every_k_steps=4)
+  _, rows = accumulate_run(tx, [1.0] * 16)
+  assert [used for used, _, _ in rows] == [16.0] * 8 + [32.0] * 8
+  assert int(rows[-1][2].loss_scale.good_steps) == 0
+
+
+def test_every_k_steps_state_is_fixed_checkpointable_and_injectable():
+  tx = dynamic_loss_scale(2.0**4, inner=optax.adam(0.1), every_k_steps=2)
+  specs = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float16), PARAMS)
+  state = tx.init(specs)
+  assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(state.accumulated))
+  state = tx.init(PARAMS)
+  before = signature(state)
+  _, rows = accumulate_run(tx, [1.0, jnp.inf, 1.0])
+  assert signature(rows[-1][2]) == before
+  restored = pickle.loads(pickle.dumps(jax.tree.map(np.asarray, rows[-1][2])))
+  assert type(restored) is oc.LossScaleWrapperState
+  # Injected, every_k_steps is an array that may change: the accumulator
+  # stays and the window follows the new value.
+  injected = optax.inject_hyperparams(dynamic_loss_scale)(
+      2.0**4, inner=optax.sgd(1.0), every_k_steps=2)
+  state = injected.init(PARAMS)
+  state.hyperparams["every_k_steps"] = jnp.asarray(3, jnp.int32)
+  update = jax.jit(injected.update)
+  grads = jax.tree.map(lambda p: p * 16.0, PARAMS)
+  for t in range(3):
+    updates, state = update(grads, state, PARAMS)
+    moved = not all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates))
+    assert moved == (t == 2)
+  jax.tree.map(lambda u, p: np.testing.assert_allclose(u, -3 * p), updates, PARAMS)
+
+
+def test_every_k_steps_needs_the_optimizer_and_params():
+  with pytest.raises(ValueError, match=r"`dynamic_loss_scale\(every_k_steps=4\)` "
+                     r"needs the optimizer.*dynamic_loss_scale\(optimizer, every_k_steps=4\)"):
+    dynamic_loss_scale(every_k_steps=4)
+  with pytest.raises(ValueError, match=r"every_k_steps=...\)` must be an int >= 1, got 0"):
+    dynamic_loss_scale(optax.sgd(1.0), every_k_steps=0)
+  with pytest.raises(ValueError, match=r"`init` needs the params"):
+    dynamic_loss_scale(optax.sgd(1.0), every_k_steps=2).init(None)
+  # 1 is no accumulation: the state is that of the plain wrapper.
+  one = dynamic_loss_scale(optax.sgd(1.0), every_k_steps=1).init(PARAMS)
+  assert one.accumulated is None
+
+
+# --------------------------------------------------------------------------
+# Hysteresis: DeepSpeed's and Megatron-LM's schedules, restated from their
+# code, against dynamic_loss_scale on long runs where overflows depend on the
+# scale (above a threshold that moves) or come at random (spikes, NaN bursts).
+
+def deepspeed_reference(overflow_at, steps, *, init_scale, scale_window,
+                        min_scale, delayed_shift, consecutive_hysteresis):
+  """``DynamicLossScaler.update_scale`` (deepspeed/runtime/fp16/
+  loss_scaler.py, scale_factor 2; raise_error_at_min_scale=False: where it
+  would raise, ``at_floor``). Per step: (scale, cur_hysteresis, at_floor)."""
+  cur_scale, cur_iter, last_overflow_iter = init_scale, 0, -1
+  cur_hysteresis, rows = delayed_shift, []
+  for t in range(steps):
+    overflow, at_floor = overflow_at(t, cur_scale), False
+    if overflow:
+      if delayed_shift == 1 or cur_hysteresis == 1:
+        at_floor = cur_scale == min_scale
+        cur_scale = max(cur_scale / 2.0, min_scale)
+      else:
+        cur_hysteresis -= 1
+      last_overflow_iter = cur_iter
+    else:
+      if consecutive_hysteresis:
+        cur_hysteresis = delayed_shift
+      stable_interval = (cur_iter - last_overflow_iter) - 1
+      if stable_interval > 0 and stable_interval % scale_window == 0:
+        if not consecutive_hysteresis:
+          cur_hysteresis = delayed_shift
+        cur_scale *= 2.0
+    cur_iter += 1
+    rows.append((cur_scale, cur_hysteresis, at_floor))
+  return np.asarray(rows, np.float64)
+
+
+def megatron_reference(overflow_at, steps, *, initial_scale, min_scale,
+                       growth_interval, hysteresis):
+  """``DynamicGradScaler.update`` (megatron/core/optimizer/grad_scaler.py,
+  growth 2, back-off 0.5 as Megatron builds it). Per step: (scale, growth
+  tracker, whether the next overflow backs off)."""
+  scale, growth_tracker, hysteresis_tracker, rows = initial_scale, 0, hysteresis, []
+  for t in range(steps):
+    if overflow_at(t, scale):
+      growth_tracker = 0
+      hysteresis_tracker -= 1
+      if hysteresis_tracker <= 0:
+        scale = max(scale * 0.5, min_scale)
+    else:
+      growth_tracker += 1
+      if growth_tracker == growth_interval:
+        growth_tracker = 0
+        hysteresis_tracker = hysteresis
+        scale = scale * 2.0
+    rows.append((scale, growth_tracker, hysteresis_tracker - 1 <= 0))
+  return np.asarray(rows, np.float64)
+
+
+LONG = 3000
+
+
+@functools.cache
+def environment(seed: int):
+  """Overflow above ``2**threshold[t]`` (a level that moves every 100 steps),
+  plus random spikes and two bursts of 40 NaN steps (down to the floor)."""
+  rng = np.random.default_rng(seed)
+  threshold = np.repeat(rng.integers(12, 20, LONG // 100), 100).astype(np.float32)
+  spikes = rng.random(LONG) < 0.03
+  spikes[1000:1040] = spikes[2200:2240] = True
+  return threshold, spikes
+
+
+def overflow_at(seed):
+  threshold, spikes = environment(seed)
+  return lambda t, scale: bool(spikes[t] or scale > 2.0 ** threshold[t])
+
+
+def run_environment(tx, seed):
+  """dynamic_loss_scale (chain form) fed BASE * scale, Inf where the
+  environment overflows; the states after each step."""
+  threshold, spikes = environment(seed)
+
+  def step(state, inputs):
+    level, spike = inputs
+    overflow = spike | (state.scale > 2.0 ** level)
+    grads = jax.tree.map(lambda g: g * state.scale, BASE)
+    grads["b"] = jnp.where(overflow, grads["b"].at[1].set(jnp.inf), grads["b"])
+    _, state = tx.update(grads, state)
+    return state, state
+
+  run = jax.jit(lambda s: jax.lax.scan(step, s, (jnp.asarray(threshold),
+                                                 jnp.asarray(spikes)))[1])
+  return run(tx.init(BASE))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("window,shift,consecutive", [
+    (3, 2, False), (3, 2, True), (1, 3, False), (7, 1, False), (2, 4, True)])
+def test_hysteresis_matches_deepspeed(window, shift, consecutive, seed):
+  tx = dynamic_loss_scale(2.0**16, period=window, min_scale=1.0, hysteresis=shift,
+                          consecutive_hysteresis=consecutive, growth_delay=1)
+  states = run_environment(tx, seed)
+  ref = deepspeed_reference(overflow_at(seed), LONG, init_scale=2.0**16,
+                            scale_window=window, min_scale=1.0,
+                            delayed_shift=shift, consecutive_hysteresis=consecutive)
+  np.testing.assert_array_equal(states.scale, ref[:, 0])
+  np.testing.assert_array_equal(states.hysteresis, ref[:, 1])
+  np.testing.assert_array_equal(states.min_scale_overflow_count, np.cumsum(ref[:, 2]))
+  backoffs = int(np.sum(np.diff(ref[:, 0]) < 0))
+  print(f"\nDeepSpeed window={window} hysteresis={shift} consecutive={consecutive}: "
+        f"{LONG} steps, {int(states.overflow_count[-1])} overflows, {backoffs} "
+        f"back-offs, {int(ref[:, 2].sum())} at the floor: equal step by step")
+  assert backoffs > 50 and ref[:, 2].sum() > 0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("interval,hysteresis", [(3, 2), (1, 3), (7, 1), (2, 5)])
+def test_hysteresis_matches_megatron(interval, hysteresis, seed):
+  tx = dynamic_loss_scale(2.0**16, period=interval, min_scale=1.0,
+                          hysteresis=hysteresis)
+  states = run_environment(tx, seed)
+  ref = megatron_reference(overflow_at(seed), LONG, initial_scale=2.0**16,
+                           min_scale=1.0, growth_interval=interval,
+                           hysteresis=hysteresis)
+  np.testing.assert_array_equal(states.scale, ref[:, 0])
+  np.testing.assert_array_equal(states.good_steps, ref[:, 1])
+  np.testing.assert_array_equal(states.hysteresis <= 1, ref[:, 2].astype(bool))
+  assert int(np.sum(np.diff(ref[:, 0]) < 0)) > 50
+
+
+def test_hysteresis_one_is_gradscaler():
+  """hysteresis=1, growth_delay=0 (the defaults): torch's
+  ``_amp_update_scale_`` (restated: growth tracker reset on an overflow,
+  growth when it reaches the interval), with the floor far below."""
+  tx = dynamic_loss_scale(2.0**16, period=3, min_scale=2.0**-126)
+  states = run_environment(tx, 0)
+  scale, tracker, decide, rows = 2.0**16, 0, overflow_at(0), []
+  for t in range(LONG):
+    if decide(t, scale):
+      scale, tracker = scale * 0.5, 0
+    else:
+      tracker += 1
+      if tracker == 3:
+        scale, tracker = scale * 2.0, 0
+    rows.append((scale, tracker))
+  np.testing.assert_array_equal(states.scale, np.asarray(rows)[:, 0])
+  np.testing.assert_array_equal(states.good_steps, np.asarray(rows)[:, 1])
+
+
+# --------------------------------------------------------------------------
+# The floor: an overflow at min_scale is counted, or raises on request.
+
+def test_overflows_at_the_floor_are_counted():
+  tx = optax.chain(dynamic_loss_scale(16.0, min_scale=4.0), optax.sgd(0.1))
+  state = tx.init(PARAMS)
+  inf = jax.tree.map(lambda p: p * jnp.inf, PARAMS)
+  for _ in range(5):
+    _, state = jax.jit(tx.update)(inf, state)
+  found = oc.stats(state)
+  assert found["loss_scale/scale"] == 4.0
+  assert found["loss_scale/overflow_count"] == 5
+  assert found["loss_scale/min_scale_overflow_count"] == 3
+
+
+@pytest.mark.parametrize("inner", [None, optax.sgd(0.1)])
+def test_raise_error_at_min_scale_eagerly_and_under_jit(inner):
+  tx = dynamic_loss_scale(8.0, min_scale=4.0, raise_error_at_min_scale=True,
+                          inner=inner)
+  inf = jax.tree.map(lambda p: p * jnp.inf, PARAMS)
+  message = (r"`dynamic_loss_scale`: the gradients overflowed \(NaN or Inf\) at "
+             r"the smallest loss scale, min_scale=4.0, so the scale cannot back off.*"
+             r"raise_error_at_min_scale=False")
+  for update in (tx.update, jax.jit(tx.update)):
+    state = tx.init(PARAMS)
+    _, state = update(inf, state, PARAMS)  # 8 -> 4: a back-off, no error
+    assert float(loss_scale(state)) == 4.0
+    _, state = update(jax.tree.map(lambda p: p * 4.0, PARAMS), state, PARAMS)
+    error = oc.NonFiniteGradientError if update is tx.update else RuntimeError
+    with pytest.raises(error, match=message):
+      _, state = update(inf, state, PARAMS)
+      jax.block_until_ready(state)
+
+
+def test_injected_schedule_settings_are_traced_and_clamped():
+  """hysteresis and growth_delay injected (traced in a jitted update) give
+  the static schedule; a traced bad value acts as its clamp (hysteresis 0
+  as 1, growth_delay -3 as 0); the state keeps its dtypes."""
+  overflows = np.array([t in OVERFLOWS for t in range(STEPS)])
+  static = dynamic_loss_scale(2.0**9, period=3, hysteresis=2, growth_delay=1)
+  injected = optax.inject_hyperparams(dynamic_loss_scale)(
+      2.0**9, period=3, hysteresis=2, growth_delay=1)
+
+  def states(tx, **values):
+    state = tx.init(BASE)
+    for arg, value in values.items():
+      state.hyperparams[arg] = jnp.asarray(value, jnp.int32)
+    update = jax.jit(tx.update)
+    rows = []
+    for overflow in overflows:
+      grads = jax.tree.map(lambda g: g * loss_scale(state), BASE)
+      grads["b"] = grads["b"].at[1].set(jnp.inf) if overflow else grads["b"]
+      _, state = update(grads, state)
+      rows.append(oc.stats(state))
+    return rows, state
+
+  want, _ = states(static)
+  got, state = states(injected)
+  assert got == want
+  assert signature(state.inner_state) == signature(injected.init(BASE).inner_state)
+  clamped, _ = states(optax.inject_hyperparams(dynamic_loss_scale)(
+      2.0**9, period=3), hysteresis=0, growth_delay=-3)
+  plain, _ = states(dynamic_loss_scale(2.0**9, period=3))
+  assert [r["loss_scale/scale"] for r in clamped] == [r["loss_scale/scale"] for r in plain]

@@ -33,6 +33,7 @@ from optaxclip._core import _exact
 from optaxclip._core._batching import Grouped, reduce
 from optaxclip._core._mesh import Reduction
 
+
 def rescue_enabled() -> bool:
   """Whether norms are built with their rescue: always, unless the
   environment says ``OPTAXCLIP_RESCUE=off``.

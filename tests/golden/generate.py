@@ -2,8 +2,9 @@
 
 Run from the repository root with the reference libraries installed::
 
-    python tests/golden/generate.py            # all three files
-    python tests/golden/generate.py torch      # only torch.json (or tensorflow, optax)
+    python tests/golden/generate.py            # all four files
+    python tests/golden/generate.py torch      # only torch.json (or tensorflow, optax,
+                                               # gradscaler)
 
 The output is deterministic (fixed seed): rerunning with the same library
 versions rewrites identical files.
@@ -18,7 +19,8 @@ The heavy imports happen inside the generator functions, so importing this
 module (e.g. by ``pytest --doctest-modules``) needs neither torch nor
 tensorflow.
 
-File layout (all three files)::
+``gradscaler.json`` holds float16 training runs under PyTorch's
+``GradScaler`` (see ``gen_gradscaler``). The other files' layout::
 
     {
       "library": ..., "versions": {...}, "generator": "tests/golden/generate.py",
@@ -445,6 +447,83 @@ def gen_optax(trees) -> dict:
   return out
 
 
+# --------------------------------------------------------------------------
+# PyTorch's GradScaler: float16 training runs (tests/test_loss_scale.py)
+# --------------------------------------------------------------------------
+
+# The recipe of docs/migration/pytorch.md#loss-scaling: a linear model in
+# float16 maths (as under torch.autocast), a float32 loss, GradScaler with
+# these settings, clip_grad_norm_ after unscale_, Adam.
+GRADSCALER = {"init_scale": 2.0**16, "growth_interval": 4, "lr": 1e-2,
+              "max_norm": 1.0}
+# (name, seed, micro-batches, outlier micro-batches (targets x30: their
+# scaled float16 gradients overflow), NaN micro-batches, micro-batches per
+# optimizer step)
+GRADSCALER_RUNS = [
+    # the scale grows past 2**16 (a float16 scale would be Inf there)
+    ("recipe", 0, 40, (13, 27), (), 1),
+    # 25 NaN steps in a row: GradScaler's scale falls to 2**-8 (no floor)
+    ("nan_steps", 1, 50, (), tuple(range(5, 30)), 1),
+    # accumulation: the scale is fixed for a window, one back-off per window
+    ("accumulation", 2, 120, (9, 41, 42, 80), (61, 62), 4),
+]
+
+
+def gradscaler_data(seed: int, steps: int, outliers) -> tuple[np.ndarray, np.ndarray]:
+  """Micro-batches ``x`` (steps, 8, 4) and finite targets ``y`` (steps, 8, 1)."""
+  rng = np.random.default_rng(seed)
+  x = 0.1 * rng.normal(size=(steps, 8, 4)).astype(np.float32)
+  y = x @ rng.normal(size=(4, 1)).astype(np.float32)
+  y[list(outliers)] *= 30
+  return x, y
+
+
+def gradscaler_run(x, y, nan, k: int) -> dict:
+  """Trains with GradScaler; per optimizer step the scale after
+  ``scaler.update()`` and Adam's step count, and the final params."""
+  import torch
+
+  y = np.array(y, np.float32)
+  y[list(nan)] = np.nan
+  w = torch.nn.Parameter(torch.zeros(4, 1))
+  b = torch.nn.Parameter(torch.zeros(1))
+  opt = torch.optim.Adam([w, b], lr=GRADSCALER["lr"])
+  scaler = torch.amp.GradScaler("cpu", init_scale=GRADSCALER["init_scale"],
+                                growth_interval=GRADSCALER["growth_interval"])
+  scales, steps = [], []
+  for t in range(0, len(x), k):
+    for xb, yb in zip(torch.tensor(x[t:t + k]), torch.tensor(y[t:t + k])):
+      pred = (xb.half() @ w.half() + b.half()).float()
+      loss = ((pred - yb) ** 2).mean()
+      scaler.scale(loss / k).backward()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_([w, b], GRADSCALER["max_norm"])
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    scales.append(scaler.get_scale())
+    steps.append(int(opt.state[w]["step"]) if opt.state else 0)
+  return {"scales": scales, "adam_steps": steps,
+          "params": {"w": to_list(w.detach().numpy()),
+                     "b": to_list(b.detach().numpy())}}
+
+
+def gen_gradscaler(trees=None) -> dict:
+  import torch
+
+  del trees
+  out = {"library": "torch",
+         "versions": {**base_versions(), "torch": torch.__version__},
+         "generator": "tests/golden/generate.py", "settings": GRADSCALER,
+         "runs": []}
+  for name, seed, steps, outliers, nan, k in GRADSCALER_RUNS:
+    x, y = gradscaler_data(seed, steps, outliers)
+    out["runs"].append({"name": name, "k": k, "nan": list(nan),
+                        "x": to_list(x), "y": to_list(y),
+                        **gradscaler_run(x, y, nan, k)})
+  return out
+
+
 def _dumps(obj) -> str:
   return json.dumps(obj, allow_nan=False, separators=(",", ":"))
 
@@ -471,10 +550,11 @@ def write(name: str, data: dict) -> str:
 
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else argv
-  which = set(argv) or {"torch", "tensorflow", "optax"}
+  which = set(argv) or {"torch", "tensorflow", "optax", "gradscaler"}
   trees = make_trees()
-  gens = {"torch": gen_torch, "tensorflow": gen_tensorflow, "optax": gen_optax}
-  for lib in ("torch", "tensorflow", "optax"):
+  gens = {"torch": gen_torch, "tensorflow": gen_tensorflow, "optax": gen_optax,
+          "gradscaler": gen_gradscaler}
+  for lib in ("torch", "tensorflow", "optax", "gradscaler"):
     if lib not in which:
       continue
     data = gens[lib](trees)
