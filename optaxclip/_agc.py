@@ -102,7 +102,7 @@ def _clip(fn: str, updates: PyTree, params: PyTree, clipping, eps,
     one, zero = jnp.ones([], jnp.float32), jnp.zeros([], jnp.float32)
     return updates, (zero, zero, one, jnp.bool_(True))
   # Gradients and parameters together: one all-reduce, one rescue check.
-  grads, params = _core.measure(fn, updates, 2, where, kept, alongside=weights)
+  grads, params = _core.measure_pair(fn, updates, weights, 2, where, kept)
   limits = jnp.asarray(clipping, jnp.float32) * jnp.maximum(
       params.units, jnp.asarray(eps, params.units.dtype))
   # optax: unclipped when g < limit, else limit / max(g, 1e-6); computed once,

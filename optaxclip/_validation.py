@@ -212,10 +212,9 @@ def check_integer(fn: str, arg: str, value: Any, minimum: int) -> Any:
   if not isinstance(value, (bool, np.bool_)) and isinstance(
       value, (numbers.Real, np.ndarray, np.generic, jax.Array)):
     number = scalar(fn, arg, value)
-  if is_traced(number):
-    rounded = jnp.round(number) if jnp.issubdtype(number.dtype, jnp.floating) \
-        else number
-    return clamp(rounded, minimum)
+  if isinstance(number, Tracer):
+    floating = jnp.issubdtype(number.dtype, jnp.floating)
+    return clamp(jnp.round(number) if floating else number, minimum)
   if number is None or not float(number).is_integer():
     raise TypeError(f"{_where(fn, arg)} must be an int >= {minimum}, got "
                     f"{value!r:.80} of type {type(value).__name__}")

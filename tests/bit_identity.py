@@ -64,7 +64,8 @@ def run_tx(tx, grads, out, name, params=None, steps=3):
   state = tx.init(grads if params is None else params)
   update = jax.jit(tx.update)
   for step in range(steps):
-    g = jax.tree.map(lambda x, k=step: x * (1 + k) if jnp.issubdtype(x.dtype, jnp.inexact) else x, grads)
+    g = jax.tree.map(lambda x, k=step: x * (1 + k)
+                     if jnp.issubdtype(x.dtype, jnp.inexact) else x, grads)
     updates, state = update(g, state, params)
     flat(updates, f"{name}/{step}/u", out)
   flat(state, f"{name}/state", out)
@@ -88,12 +89,14 @@ def functional(out):
     flat(F.clip_by_block_rms(st, 0.5, layer_axis={"w": 0, "b": 0, "h": None}), f"rmsl/{s}", out)
     params = stacked(1.0, seed=3)
     flat(F.adaptive_grad_clip(st, params, 0.01), f"agc/{s}", out)
-    flat(F.adaptive_grad_clip(st, params, 0.01, layer_axis={"w": 0, "b": 0, "h": None}), f"agcl/{s}", out)
+    flat(F.adaptive_grad_clip(st, params, 0.01, layer_axis={"w": 0, "b": 0, "h": None}),
+         f"agcl/{s}", out)
     flat(F.unitwise_norm(st["w"]), f"unorm/{s}", out)
     ex = {"w": st["w"], "b": st["b"]}
     flat(F.per_example_clip_by_global_norm(ex, 1.0), f"pe/{s}", out)
     flat(F.per_example_clip_by_layer_norm(ex, 1.0), f"pel/{s}", out)
-    flat(F.per_example_clip_by_layer_norm({"w": st["w"][None].repeat(2, 0)}, 1.0, layer_axis=0), f"pell/{s}", out)
+    flat(F.per_example_clip_by_layer_norm({"w": st["w"][None].repeat(2, 0)}, 1.0,
+                                          layer_axis=0), f"pell/{s}", out)
     out[f"finite/{s}"] = np.asarray(F.all_finite(tree(s)))
   bad = tree(1.0)
   bad["b"] = bad["b"].at[0, 0].set(jnp.nan)
@@ -105,7 +108,8 @@ def functional(out):
   # gradients and vmap
   for s in (0.0, 1e-30, 1.0, 1e25):
     for p in ORDERS:
-      flat(jax.grad(lambda t: F.global_norm(t, p), allow_int=True)(tree(s, jnp.float32)), f"grad/{s}/{p}", out)
+      grad = jax.grad(lambda t, p=p: F.global_norm(t, p), allow_int=True)
+      flat(grad(tree(s, jnp.float32)), f"grad/{s}/{p}", out)
     batch = jnp.stack([tree(s)["b"], tree(1.0)["b"], tree(1e25)["b"]])
     out[f"vmap/{s}"] = np.asarray(jax.vmap(lambda x: F.clip_by_global_norm([x], 1.0)[1])(batch))
   out["use_norm"] = np.asarray(F.clip_by_global_norm(tree(1.0), 1.0, use_norm=10.0)[0]["b"])
@@ -120,7 +124,8 @@ def transforms(out):
     run_tx(oc.clip_by_norm(1.0, ord=1), t, out, f"tx_cn/{s}")
     run_tx(oc.clip_by_block_rms(0.5), t, out, f"tx_rms/{s}")
     run_tx(oc.clip_by_global_norm({"x": 1.0, "y": 2.0},
-                                  groups={"a": "x", "b": "y", "c": "x", "s": "y", "z": "x", "i": "x"}),
+                                  groups={"a": "x", "b": "y", "c": "x", "s": "y", "z": "x",
+                                          "i": "x"}),
            t, out, f"tx_groups/{s}")
     st = stacked(s)
     la = {"w": 0, "b": 0, "h": None}
@@ -128,7 +133,8 @@ def transforms(out):
     run_tx(oc.clip_by_norm(1.0, layer_axis=la, leaf_norms=True), st, out, f"tx_cnlayer/{s}")
     run_tx(oc.clip_by_block_rms(0.5, layer_axis=la), st, out, f"tx_rmslayer/{s}")
     run_tx(oc.adaptive_grad_clip(0.01), st, out, f"tx_agc/{s}", params=stacked(1.0, 3))
-    run_tx(oc.adaptive_grad_clip(0.01, layer_axis=la), st, out, f"tx_agcl/{s}", params=stacked(1.0, 3))
+    run_tx(oc.adaptive_grad_clip(0.01, layer_axis=la), st, out, f"tx_agcl/{s}",
+           params=stacked(1.0, 3))
     run_tx(oc.adagc(warmup_steps=2, layer_axis=la), st, out, f"tx_adagc/{s}", steps=4)
     run_tx(oc.auto_clip(), t, out, f"tx_auto/{s}")
     run_tx(oc.zclip(warmup_steps=2, leaf_norms=True), t, out, f"tx_zclip/{s}", steps=4)
@@ -171,7 +177,8 @@ def distributed(out):
              zip(st, st.values(), (P(None, "data", "model"), P(None, "model"), P()))}
   flat(jax.jit(lambda t: F.clip_by_global_norm(t, 1.0))(sharded), "gspmd/cgn", out)
   flat(jax.jit(lambda t: F.clip_by_norm(t, 1.0, layer_axis=la))(sharded), "gspmd/cnl", out)
-  flat(jax.jit(lambda t: F.adaptive_grad_clip(t, st, 0.01, layer_axis=la))(sharded), "gspmd/agc", out)
+  flat(jax.jit(lambda t: F.adaptive_grad_clip(t, st, 0.01, layer_axis=la))(sharded),
+       "gspmd/agc", out)
 
 
 def instructions(compiled) -> np.ndarray:
@@ -195,7 +202,8 @@ def programs(out):
     out[f"bytes/{name}"] = np.asarray(compiled.cost_analysis()["bytes accessed"])
     step = optax.chain(tx, optax.adamw(1e-3))
     s2 = step.init(leaves)
-    compiled = jax.jit(lambda g, s, p, step=step: step.update(g, s, p)).lower(leaves, s2, leaves).compile()
+    compiled = jax.jit(lambda g, s, p, step=step: step.update(g, s, p)).lower(
+        leaves, s2, leaves).compile()
     out[f"hlo/step_{name}"] = instructions(compiled)
     out[f"bytes/step_{name}"] = np.asarray(compiled.cost_analysis()["bytes accessed"])
   st = {"w": jnp.ones((12, 64, 64)), "b": jnp.ones((12, 64))}

@@ -26,6 +26,7 @@ from optaxclip._core._measure import Measured as Measured
 from optaxclip._core._measure import all_finite as all_finite
 from optaxclip._core._measure import global_norm as global_norm
 from optaxclip._core._measure import measure as measure
+from optaxclip._core._measure import measure_pair as measure_pair
 from optaxclip._core._measure import norm_of as norm_of
 from optaxclip._core._measure import sum_over_examples as sum_over_examples
 from optaxclip._core._measure import unit_shapes as unit_shapes

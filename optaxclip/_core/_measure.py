@@ -98,7 +98,7 @@ class Measured:
         [d if a in kept else 1 for a, d in enumerate(x.shape)]))
             for part, x, kept in zip(parts, self._leaves, keep)]
 
-  def tree(self, per_leaf: Sequence[jax.Array] | None = None) -> PyTree:
+  def tree(self, per_leaf: Sequence[jax.Array | None] | None = None) -> PyTree:
     """``per_leaf`` (default: ``here()``, one array per clippable leaf) in
     the tree's structure, None where a leaf is not clippable."""
     values = iter(self._here if per_leaf is None else per_leaf)
@@ -180,15 +180,10 @@ def _units(leaves, p, red: Reduction, keep) -> tuple[list, list]:
   return everywhere, here
 
 
-def measure(fn: str, tree: PyTree, p, where: Where = HERE, kept: Kept = TOTAL,
-            *, alongside: list[jax.Array] | None = None
-            ) -> "Measured | tuple[Measured, Measured]":
-  """The ``p``-norms of ``tree``'s clippable leaves that ``kept`` asks for.
-
-  ``fn`` names the caller in errors. With ``alongside`` (AGC's parameters:
-  one array per clippable leaf, of its shape and layout), those are
-  measured in the same pass and one ``Measured`` is returned for each.
-  """
+def measure(fn: str, tree: PyTree, p, where: Where = HERE,
+            kept: Kept = TOTAL) -> Measured:
+  """The ``p``-norms of ``tree``'s clippable leaves that ``kept`` asks for
+  (``fn`` names the caller in errors)."""
   leaves = _tree.clippable_leaves(tree)
   shapes = whole_shapes(fn, tree, where)
   keep = None if kept is TOTAL else kept.axes(fn, tree, shapes)
@@ -198,17 +193,27 @@ def measure(fn: str, tree: PyTree, p, where: Where = HERE, kept: Kept = TOTAL,
   if keep is None:
     return Measured(tree, leaves, p, shapes=shapes, keep=None, reduction=red,
                     total=norm_of_leaves(leaves, p, red))
-  if alongside is None:
-    everywhere, here = _units(leaves, p, red, keep)
-    return Measured(tree, leaves, p, shapes=shapes, keep=keep, reduction=red,
-                    everywhere=everywhere, here=here)
-  # Both at once: one all-reduce, one rescue decision.
-  n = len(leaves)
+  everywhere, here = _units(leaves, p, red, keep)
+  return Measured(tree, leaves, p, shapes=shapes, keep=keep, reduction=red,
+                  everywhere=everywhere, here=here)
+
+
+def measure_pair(fn: str, tree: PyTree, alongside: list[jax.Array], p,
+                 where: Where, kept: Kept) -> tuple[Measured, Measured]:
+  """``measure`` of ``tree`` and of ``alongside`` (AGC's parameters: one
+  array per clippable leaf, of its shape and layout) in the same pass: one
+  all-reduce, one rescue decision."""
+  leaves = _tree.clippable_leaves(tree)
+  shapes = whole_shapes(fn, tree, where)
+  keep = kept.axes(fn, tree, shapes) or ((),) * len(leaves)
+  red = reduction(fn, tree, where, keep)
   everywhere, here = _units(leaves + alongside, p, red.repeated(2), keep * 2)
-  return tuple(Measured(tree, leaves, p, shapes=shapes, keep=keep,
-                        reduction=red, everywhere=everywhere[part],
-                        here=here[part])
-               for part in (slice(0, n), slice(n, 2 * n)))
+  n = len(leaves)
+  first, second = (Measured(tree, leaves, p, shapes=shapes, keep=keep,
+                            reduction=red, everywhere=everywhere[part],
+                            here=here[part])
+                   for part in (slice(0, n), slice(n, 2 * n)))
+  return first, second
 
 
 def _across_leaves(fn, tree, leaves, p, where: Where, shapes) -> Measured:
