@@ -137,8 +137,8 @@ def _precision_floor(grouped: Grouped, acc, reduction: Reduction) -> jax.Array:
   return jnp.asarray(float(info.tiny) / float(info.eps), acc) * count
 
 
-def _rescued_by_fixed_scale(grouped, p, acc, reduction, sums, floor, *,
-                            total: bool) -> jax.Array:
+def _rescued_by_fixed_scale(grouped, p, acc, reduction, sums, floor, divisor,
+                            *, total: bool) -> jax.Array:
   """``p`` in ``{1, 2}``: the plain pass redone scaled by a fixed power of
   two, where it underflowed (or, for ``p = 2``, overflowed).
 
@@ -167,7 +167,7 @@ def _rescued_by_fixed_scale(grouped, p, acc, reduction, sums, floor, *,
     return scaled.square(x, acc) if squares else scaled.magnitude(x, acc)
 
   redone = reduce(grouped, redo, reduction, maximum=False, total=total)
-  roots = safe_root(redone, 2) if squares else redone
+  roots = (safe_root(redone, 2) if squares else redone) / divisor
   if squares:
     roots = roots * jnp.where(overflow, 2.0 ** -down, 1).astype(acc)
   return jnp.where(underflow, _exact.unscaled(roots, -up), roots)
@@ -196,7 +196,7 @@ def _exact_maxima(grouped, acc, reduction: Reduction, *, total: bool
 _SCALED_ORDER_LIMIT = 64
 
 
-def _rescued_roots(grouped, p, acc, reduction, sums, floor, *,
+def _rescued_roots(grouped, p, acc, reduction, sums, floor, divisor, *,
                    total: bool) -> jax.Array:
   """Norms from power sums of ``|x| / 2**k``, ``2**k`` just above the
   largest ``|x|`` (per unit, or for all units with ``total``).
@@ -211,37 +211,42 @@ def _rescued_roots(grouped, p, acc, reduction, sums, floor, *,
   def scaled(x, group):
     return scale.pick(group.pick).magnitude(x, acc)
 
-  divisor = divisor_here = None
+  peak_divisor = peak_here = None
   if isinstance(p, jax.Array) or p > _SCALED_ORDER_LIMIT:
     peaks = reduce(grouped, scaled, reduction, maximum=True, total=total)
-    divisor = jnp.where(usable & (p > _SCALED_ORDER_LIMIT), peaks, 1)
-    divisor_here = here(reduction, grouped)(divisor)
+    peak_divisor = jnp.where(usable & (p > _SCALED_ORDER_LIMIT), peaks, 1)
+    peak_here = here(reduction, grouped)(peak_divisor)
 
   def powered(x, group):
     y = scaled(x, group)
-    if divisor_here is not None:
-      y = y / group.pick(divisor_here)
+    if peak_here is not None:
+      y = y / group.pick(peak_here)
     return power(y, p)
 
   roots = safe_root(reduce(grouped, powered, reduction, maximum=False,
                            total=total), p)
-  if divisor is not None:
-    roots = roots * divisor
-  return jnp.where(usable, _exact.unscaled(roots, exponents), safe_root(sums, p))
+  if peak_divisor is not None:
+    roots = roots * peak_divisor
+  return jnp.where(usable, _exact.unscaled(roots / divisor, exponents),
+                   safe_root(sums, p) / divisor)
 
 
 def norms_of(grouped: Grouped, p, acc, reduction: Reduction, *,
-             total: bool) -> jax.Array:
+             total: bool, divisor: jax.Array | None = None) -> jax.Array:
   """The ``p``-norm of each unit of ``grouped`` (a vector in unit order) or,
   with ``total``, of all of them (a scalar): plain power sums, and the
-  rescue only where they fail."""
+  rescue only where they fail. With ``divisor`` (one per unit), each norm
+  divided by it before any rescaling: an RMS stays finite where the norm
+  itself would overflow."""
   sums = reduce(grouped, lambda x, _: elementwise_power(x, p, acc), reduction,
                 maximum=is_order(p, math.inf), total=total)
+  plain = lambda: safe_root(sums, p) if divisor is None else (  # noqa: E731
+      safe_root(sums, p) / divisor)
   if is_order(p, math.inf) or not rescue_enabled():
     # A maximum neither overflows nor underflows. (A largest |x| below the
     # normal range, read as 0 where subnormals are flushed, would be one in
     # any later arithmetic too.)
-    return safe_root(sums, p)
+    return plain()
   floor = _precision_floor(grouped, acc, reduction)
   if is_order(p, 1):
     # Sums of |x| overflow only when the norm does: only an underflow (of
@@ -253,8 +258,9 @@ def norms_of(grouped: Grouped, p, acc, reduction: Reduction, *,
   fixed = is_order(p, 2) or is_order(p, 1)
   rescued = functools.partial(
       _rescued_by_fixed_scale if fixed else _rescued_roots,
-      grouped, p, acc, reduction, sums, floor, total=total)
-  return lax.cond(any_in_batch(needed), rescued, lambda: safe_root(sums, p))
+      grouped, p, acc, reduction, sums, floor,
+      jnp.ones([], acc) if divisor is None else divisor, total=total)
+  return lax.cond(any_in_batch(needed), rescued, plain)
 
 
 @jax.custom_batching.custom_vmap
