@@ -1,0 +1,212 @@
+"""``skip_step``'s statistics and its decision, as one pure function.
+
+``step(stats, norm, loss=...) -> (skip, new_stats)`` takes the whole
+decision of a step: each guarded value (the gradients' norm, the loss) is
+judged by its own statistics (``_spike_stats``), the step is skipped when
+any guard says so, and the statistics are fed afterwards. At most
+``max_consecutive_skips`` finite steps are skipped in a row: after that,
+the guards' spikes are let through (released) and fed in full until a
+step is no longer one, so that a lasting level is trained on and learned
+(docs/guards.md).
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from optaxclip import _counters, _leaf_norms, _running_stats, _spike_stats, _stats
+from optaxclip._spike_stats import Running
+from optaxclip._types import Scalar
+
+PyTree = Any
+
+# OLMo-core's and MaxText's skip rule (|z| > 6 over a 128-step window that
+# keeps the skipped values) takes a lasting level shift of any size as the
+# new level after at most 4 skips (docs/guards.md): the same bound here.
+MAX_CONSECUTIVE_SKIPS = 4
+
+
+class SkipStats(NamedTuple):
+  """The counters and statistics of ``skip_step``.
+
+  ``float`` below is float32, or float64 when x64 is on and ``init`` was
+  given float64 parameters. ``norm_mean``, ``norm_var``, ``ema_count``,
+  ``loss_mean``, ``loss_var`` and ``loss_ema_count`` read the statistics.
+
+  Attributes:
+    norm: float ``[]``: the global norm of the last gradients (unscaled).
+    count: int32 ``[]``: steps seen.
+    skipped_count: int32 ``[]``: steps skipped, for any reason.
+    forced_count: int32 ``[]``: finite steps that would have been skipped
+      but were let through, ``max_consecutive_skips`` having been skipped
+      in a row before them.
+    nonfinite_count: int32 ``[]``: steps whose norm was NaN or Inf.
+    max_norm_count: int32 ``[]``: finite steps with a norm above
+      ``max_norm``.
+    zscore_count: int32 ``[]``: finite steps with a z-score above
+      ``zscore`` (after the warm-up); a step may count in both.
+    skipped_by_norm: bool ``[]``: the last step was skipped by the
+      gradients (NaN/Inf, ``max_norm`` or ``zscore``).
+    skipped_by_loss: bool ``[]``: the last step was skipped by its loss
+      (NaN/Inf or ``loss_zscore``); both may be true.
+    loss: float ``[]``: the last ``loss=`` given (0 before the first).
+    loss_zscore: float ``[]``: its z-score ``(loss - mean) / std`` against
+      the loss statistics before that step (0 during the warm-up; +-inf
+      above or below a zero ``std``; NaN for a NaN loss).
+    loss_zscore_count: int32 ``[]``: finite losses with a z-score above
+      ``loss_zscore`` (after the warm-up).
+    loss_nonfinite_count: int32 ``[]``: steps whose loss was NaN or Inf.
+    skip_streak: int32 ``[]``: finite steps in a row the guards would skip.
+    norm_stats: the ``_spike_stats.Running`` statistics of the accepted
+      norms (``count``: how many fed them since they last started).
+    loss_stats: the same for the accepted finite losses.
+    leaf_norms: with ``leaf_norms=True``, the last step's norm of every
+      leaf (per layer where ``layer_axis`` says), as in ``ClipState``;
+      otherwise None.
+  """
+  norm: jax.Array
+  count: jax.Array
+  skipped_count: jax.Array
+  forced_count: jax.Array
+  nonfinite_count: jax.Array
+  max_norm_count: jax.Array
+  zscore_count: jax.Array
+  skipped_by_norm: jax.Array
+  skipped_by_loss: jax.Array
+  loss: jax.Array
+  loss_zscore: jax.Array
+  loss_zscore_count: jax.Array
+  loss_nonfinite_count: jax.Array
+  skip_streak: jax.Array
+  norm_stats: Running
+  loss_stats: Running
+  leaf_norms: PyTree = None
+
+  @property
+  def norm_mean(self) -> jax.Array:
+    return self.norm_stats.mean
+
+  @property
+  def norm_var(self) -> jax.Array:
+    return self.norm_stats.var
+
+  @property
+  def ema_count(self) -> jax.Array:
+    return self.norm_stats.count
+
+  @property
+  def loss_mean(self) -> jax.Array:
+    return self.loss_stats.mean
+
+  @property
+  def loss_var(self) -> jax.Array:
+    return self.loss_stats.var
+
+  @property
+  def loss_ema_count(self) -> jax.Array:
+    return self.loss_stats.count
+
+  @classmethod
+  def fresh(cls, dtype: jax.typing.DTypeLike,
+            leaf_norms: PyTree = None) -> "SkipStats":
+    """The statistics before the first step, their floats in ``dtype``."""
+    zero = _counters.zero
+    return cls(norm=jnp.zeros([], dtype), count=zero(), skipped_count=zero(),
+               forced_count=zero(), nonfinite_count=zero(),
+               max_norm_count=zero(), zscore_count=zero(),
+               skipped_by_norm=jnp.zeros([], bool),
+               skipped_by_loss=jnp.zeros([], bool), loss=jnp.zeros([], dtype),
+               loss_zscore=jnp.zeros([], dtype), loss_zscore_count=zero(),
+               loss_nonfinite_count=zero(), skip_streak=zero(),
+               norm_stats=Running.fresh(dtype), loss_stats=Running.fresh(dtype),
+               leaf_norms=leaf_norms)
+
+
+def _extras(stats: SkipStats) -> dict[str, jax.Array]:
+  rate = stats.skipped_count / jnp.maximum(stats.count, 1)
+  return {"ema_count": stats.ema_count, "norm_mean": stats.norm_mean,
+          "norm_var": stats.norm_var,
+          "norm_std": _running_stats.safe_sqrt(stats.norm_var),
+          "loss_ema_count": stats.loss_ema_count,
+          "loss_mean": stats.loss_mean, "loss_var": stats.loss_var,
+          "loss_std": _running_stats.safe_sqrt(stats.loss_var),
+          "skip_rate": rate.astype(jnp.float32),
+          **_leaf_norms.entries(stats.leaf_norms)}
+
+
+# The streak is bookkeeping; the statistics are reported flat (extras).
+_stats.register(SkipStats, "skip",
+                hide=("skip_streak", "norm_stats", "loss_stats", "leaf_norms"),
+                extras=_extras, clips=False)
+
+
+def _released(streak: jax.Array, would_skip: jax.Array,
+              max_consecutive_skips: Scalar | None) -> jax.Array:
+  """Whether a step the guards would skip is let through: when
+  ``max_consecutive_skips`` finite steps in a row were skipped before."""
+  if max_consecutive_skips is None:
+    return jnp.zeros([], bool)
+  return would_skip & (streak >= jnp.asarray(max_consecutive_skips, jnp.int32))
+
+
+def step(stats: SkipStats, norm: jax.Array, *, nonfinite: bool,
+         max_norm: Scalar | None, zscore: Scalar | None, ema_decay: Scalar,
+         warmup_steps: Scalar, loss: jax.Array | None = None,
+         loss_zscore: Scalar | None = None,
+         max_consecutive_skips: Scalar | None = MAX_CONSECUTIVE_SKIPS
+         ) -> tuple[jax.Array, SkipStats]:
+  """Whether to skip a step with ``norm`` (and ``loss``, if given; both in
+  the statistics' dtype), and the statistics after it (see ``skip_step``).
+
+  Without ``loss`` the loss fields are left as they are.
+  """
+  finite = jnp.isfinite(norm)
+  too_large = jnp.zeros([], bool)
+  if max_norm is not None:
+    too_large = finite & (norm > jnp.asarray(max_norm, norm.dtype))
+  judged = _spike_stats.ema_verdict(stats.norm_stats, norm, zscore=zscore,
+                                    warmup_steps=warmup_steps)
+  by_norm = too_large | judged.spike | (~finite if nonfinite else False)
+  by_loss, all_finite = jnp.zeros([], bool), finite
+  judged_loss = None
+  if loss is not None:
+    judged_loss = _spike_stats.ema_verdict(
+        stats.loss_stats, loss, zscore=loss_zscore, warmup_steps=warmup_steps,
+        signed=True)
+    by_loss = judged_loss.spike
+    if loss_zscore is not None:
+      by_loss = by_loss | ~jnp.isfinite(loss)
+    all_finite = finite & jnp.isfinite(loss)
+  # Steps with a NaN or Inf neither extend nor break the streak.
+  would_skip = by_norm | by_loss
+  release = all_finite & _released(stats.skip_streak, would_skip,
+                                   max_consecutive_skips)
+  skip = would_skip & ~release
+  accepted = finite & ~skip
+  count_if = _counters.count_if
+  new = stats._replace(
+      norm=norm, count=_counters.increment(stats.count),
+      skipped_count=count_if(skip, stats.skipped_count),
+      forced_count=count_if(release, stats.forced_count),
+      nonfinite_count=count_if(~finite, stats.nonfinite_count),
+      max_norm_count=count_if(too_large, stats.max_norm_count),
+      zscore_count=count_if(judged.spike, stats.zscore_count),
+      skipped_by_norm=by_norm & ~release, skipped_by_loss=by_loss & ~release,
+      skip_streak=jnp.where(all_finite, jnp.where(
+          would_skip, count_if(True, stats.skip_streak), 0),
+          stats.skip_streak),
+      norm_stats=_spike_stats.ema_feed(
+          stats.norm_stats, norm, judged, accepted=accepted, release=release,
+          decay=ema_decay))
+  if loss is None or judged_loss is None:
+    return skip, new
+  return skip, new._replace(
+      loss=loss, loss_zscore=judged_loss.z,
+      loss_zscore_count=count_if(judged_loss.spike, stats.loss_zscore_count),
+      loss_nonfinite_count=count_if(~jnp.isfinite(loss),
+                                    stats.loss_nonfinite_count),
+      loss_stats=_spike_stats.ema_feed(
+          stats.loss_stats, loss, judged_loss,
+          accepted=accepted & jnp.isfinite(loss), release=release,
+          decay=ema_decay, signed=True))
