@@ -90,70 +90,113 @@ def _check_inner(fn: str, inner: Any) -> optax.GradientTransformationExtraArgs:
 
 def _settings(fn: str, *, nonfinite: Any, max_norm: Any, zscore: Any,
               ema_decay: Any, warmup_steps: Any, loss_zscore: Any,
-              max_consecutive_skips: Any) -> dict[str, Any]:
+              update_zscore: Any, max_consecutive_skips: Any,
+              two_sided: Any) -> dict[str, Any]:
   """The checked settings that ``step`` takes."""
   _validation.check_bool(fn, "nonfinite", nonfinite)
-  if max_norm is not None:
-    max_norm = _validation.check_nonnegative(fn, "max_norm", max_norm,
-                                             allow_inf=True)
-  if zscore is not None:
-    zscore = _validation.check_nonnegative(fn, "zscore", zscore,
-                                           allow_inf=True)
+  _validation.check_bool(fn, "two_sided", two_sided)
+  thresholds = {"max_norm": max_norm, "zscore": zscore,
+                "update_zscore": update_zscore}
+  for arg, value in thresholds.items():
+    if value is not None:
+      thresholds[arg] = _validation.check_nonnegative(fn, arg, value,
+                                                      allow_inf=True)
   if loss_zscore is not None:
     loss_zscore = _check_loss_zscore(fn, loss_zscore)
   if max_consecutive_skips is not None:
     max_consecutive_skips = _validation.check_integer(
         fn, "max_consecutive_skips", max_consecutive_skips, 1)
-  return {"nonfinite": nonfinite, "max_norm": max_norm, "zscore": zscore,
+  if warmup_steps is not None:
+    warmup_steps = _validation.check_integer(fn, "warmup_steps", warmup_steps, 0)
+  return {"nonfinite": nonfinite, **thresholds, "loss_zscore": loss_zscore,
           "ema_decay": _validation.check_unit_interval(
               fn, "ema_decay", ema_decay, include_one=False),
-          "warmup_steps": _validation.check_integer(
-              fn, "warmup_steps", warmup_steps, 0),
-          "loss_zscore": loss_zscore,
-          "max_consecutive_skips": max_consecutive_skips}
+          "warmup_steps": warmup_steps,
+          "max_consecutive_skips": max_consecutive_skips,
+          "two_sided": two_sided}
+
+
+def _window(fn: str, window: Any, warmup_steps: Any) -> int | None:
+  """The window's length (None: traced, read at ``init``), checked
+  against ``warmup_steps``: the window holds at most that many values."""
+  size = _validation.check_buffer_size(fn, "window", window)
+  if (size is not None and warmup_steps is not None
+      and not _validation.is_traced(warmup_steps)
+      and int(warmup_steps) > size):
+    raise ValueError(
+        f"`{fn}(warmup_steps={int(warmup_steps)})` must be at most "
+        f"`window` ({size}): the window holds at most {size} values; leave "
+        f"warmup_steps out for OLMo-core's max(2, window // 2) - 1")
+  return size
+
+
+def _update_norm(fn: str, updates: PyTree, axis_name: AxisName,
+                 specs: PyTree) -> jax.Array:
+  """The global L2 norm of ``inner``'s update (every step, for the stats)."""
+  return _leaf_norms.measure(fn, updates, 2, axis_name, specs,
+                             leaf_norms=False)[0]
+
+
+def _init(fn: str, inner: optax.GradientTransformation, params: PyTree, *,
+          leaf_norms: bool, layer_axis: PyTree, window: int | None
+          ) -> SkipState:
+  """The state before the first step (``skip_step``'s ``init``)."""
+  inner_state = inner.init(params)
+  _placement.check_placement(inner_state, f"{fn}(inner=...).init",
+                              "inner_state")
+  dtype = _running_stats.statistics_dtype(params)
+  norms = None
+  if leaf_norms:
+    norms = _leaf_norms.zeros(
+        params, _leaf_norms.layer_keep(fn, params, layer_axis), dtype)
+  return SkipState(stats=SkipStats.fresh(dtype, norms, window),
+                   inner_state=inner_state)
 
 
 def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
               max_norm: Scalar | None = None, zscore: Scalar | None = None,
-              ema_decay: Scalar = 0.99, warmup_steps: Scalar = 100, ord: Ord = 2,
-              axis_name: AxisName = None, specs: PyTree = None,
+              ema_decay: Scalar = 0.99, warmup_steps: Scalar | None = None,
+              ord: Ord = 2, axis_name: AxisName = None, specs: PyTree = None,
               loss_zscore: Scalar | None = None, leaf_norms: bool = False,
               layer_axis: PyTree = None,
-              max_consecutive_skips: Scalar | None = MAX_CONSECUTIVE_SKIPS
+              max_consecutive_skips: Scalar | None = MAX_CONSECUTIVE_SKIPS,
+              window: Scalar | None = None, two_sided: bool = False,
+              update_zscore: Scalar | None = None, update_norm: bool = True
               ) -> optax.GradientTransformationExtraArgs:
   """Skips whole optimizer steps on non-finite gradients, norm and loss spikes.
 
-  Wraps ``inner`` (any optimizer or chain). A step is skipped when the
-  gradients hold NaN/Inf (``nonfinite``), their global norm ``g`` exceeds
-  ``max_norm``, or ``g > mean + zscore * std`` against the statistics of
-  past norms (once ``max(warmup_steps, 1)`` were accepted); with
-  ``loss_zscore`` and ``update(..., loss=loss)``, also when the loss is
-  NaN/Inf or ``loss > mean + loss_zscore * std`` against its own
-  statistics. A skipped step gives zero updates and leaves the inner state
-  as it was, bit for bit. The statistics are bias-corrected EMAs of the
-  accepted values, which one outlier of any size cannot take over. Guards
-  never stall: at most ``max_consecutive_skips`` finite steps are skipped
-  in a row, after which a lasting level is trained on and learned. Bounds,
-  loss scaling, ``MultiSteps``, injected hyperparameters and the OLMo-core
-  and MaxText settings: docs/guards.md.
+  Wraps ``inner``. A step is skipped (zero updates, the inner state left
+  bit for bit) when the gradients hold NaN/Inf, their global norm exceeds
+  ``max_norm``, or a guarded value is NaN/Inf or above ``mean + threshold *
+  std`` of its own past: the norm (``zscore``), the loss given to
+  ``update(..., loss=loss)`` (``loss_zscore``), the norm of the update
+  ``inner`` proposes (``update_zscore``). The statistics are bias-corrected
+  EMAs that one outlier cannot take over, or the last ``window`` values
+  (OLMo-core's and MaxText's rule; ``window`` floats of state per
+  statistic). At most ``max_consecutive_skips`` finite steps are skipped in
+  a row. Rules, bounds, the anchors' settings, costs: docs/guards.md.
 
   Args:
     inner: the optimizer whose steps may be skipped.
     nonfinite: skip steps whose gradients hold NaN or Inf.
     max_norm: skip steps whose global norm exceeds it (>= 0), or None.
-    zscore: skip steps whose norm's z-score exceeds it (>= 0), or None.
+    zscore: the norm's z-score threshold (>= 0), or None.
     ema_decay: the EMAs' weight of the past, in [0, 1).
-    warmup_steps: accepted values before the z-score tests start (>= 0).
+    warmup_steps: values in the statistics before the z-tests start; None:
+      100 (EMAs) or ``max(2, window // 2) - 1``.
     ord: the norm order: any number ``p > 0`` or ``inf``.
     axis_name: under ``shard_map``/``pmap``, the axis name(s) the gradients
       are split over: every device takes the same decision.
     specs: with ``axis_name``, the updates' ``PartitionSpec`` (a tree prefix).
-    loss_zscore: skip steps whose ``loss=`` is NaN/Inf or has a z-score
-      above it (> 0), or None (the loss only logged). Large runs use ~6.
+    loss_zscore: the loss's threshold (> 0), or None (the loss only logged).
     leaf_norms: keep every leaf's norm in the statistics.
     layer_axis: with ``leaf_norms``, the axis that stacks layers.
     max_consecutive_skips: finite steps skipped in a row at most (>= 1), or
       None (no bound: a lasting rise is skipped for ever).
+    window: keep the last ``window`` values (an int >= 1), or None (EMAs).
+    two_sided: test ``|value - mean|``: drops are spikes too.
+    update_zscore: the update norm's threshold (>= 0), or None.
+    update_norm: measure the update's norm every step (it costs passes).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -179,23 +222,24 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
   settings = _settings(fn, nonfinite=nonfinite, max_norm=max_norm,
                        zscore=zscore, ema_decay=ema_decay,
                        warmup_steps=warmup_steps, loss_zscore=loss_zscore,
-                       max_consecutive_skips=max_consecutive_skips)
+                       update_zscore=update_zscore,
+                       max_consecutive_skips=max_consecutive_skips,
+                       two_sided=two_sided)
+  size = None if window is None else _window(fn, window, warmup_steps)
+  _validation.check_bool(fn, "update_norm", update_norm)
+  if update_zscore is not None and not update_norm:
+    raise ValueError(f"`{fn}(update_zscore={update_zscore!r})` judges the "
+                     f"update's norm: leave update_norm=True")
   p = _validation.check_ord(fn, ord)
   _validation.check_specs(fn, specs, axis_name)
   _validation.check_bool(fn, "leaf_norms", leaf_norms)
   _validation.check_layer_axis(fn, layer_axis)
 
   def init_fn(params):
-    inner_state = inner.init(params)
-    _placement.check_placement(inner_state, f"{fn}(inner=...).init",
-                                "inner_state")
-    dtype = _running_stats.statistics_dtype(params)
-    norms = None
-    if leaf_norms:
-      norms = _leaf_norms.zeros(
-          params, _leaf_norms.layer_keep(fn, params, layer_axis), dtype)
-    return SkipState(stats=SkipStats.fresh(dtype, norms),
-                     inner_state=inner_state)
+    length = (None if window is None else
+              _validation.require_buffer_size(fn, "window", size))
+    return _init(fn, inner, params, leaf_norms=leaf_norms,
+                 layer_axis=layer_axis, window=length)
 
   def update_fn(updates, state, params=None, *, loss=None, **extra_args):
     _validation.check_update(fn, updates, state, SkipState)
@@ -213,10 +257,14 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
     if loss is not None:
       judged = _checked_loss(fn, loss, dtype)
       extra_args = {**extra_args, "loss": loss}  # inner's too, as given
-    skip, new_stats = step(state.stats, unscale(norm), loss=judged, **settings)
-    new_stats = new_stats._replace(leaf_norms=jax.tree.map(unscale, norms))
     new_updates, new_inner = inner.update(updates, state.inner_state, params,
                                           **extra_args)
+    proposed = None
+    if update_norm:
+      proposed = _update_norm(fn, new_updates, axis_name, specs).astype(dtype)
+    skip, new_stats = step(state.stats, unscale(norm), loss=judged,
+                           update_norm=proposed, **settings)
+    new_stats = new_stats._replace(leaf_norms=jax.tree.map(unscale, norms))
     new_updates = _scaling.zero_unless(~skip, new_updates)
     new_inner = _keep_unless_loss_scale(skip, new_inner, state.inner_state)
     return new_updates, SkipState(stats=new_stats, inner_state=new_inner)

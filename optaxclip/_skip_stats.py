@@ -10,6 +10,7 @@ step is no longer one, so that a lasting level is trained on and learned
 (docs/guards.md).
 """
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -49,7 +50,7 @@ class SkipStats(NamedTuple):
     skipped_by_norm: bool ``[]``: the last step was skipped by the
       gradients (NaN/Inf, ``max_norm`` or ``zscore``).
     skipped_by_loss: bool ``[]``: the last step was skipped by its loss
-      (NaN/Inf or ``loss_zscore``); both may be true.
+      (NaN/Inf or ``loss_zscore``); several may be true.
     loss: float ``[]``: the last ``loss=`` given (0 before the first).
     loss_zscore: float ``[]``: its z-score ``(loss - mean) / std`` against
       the loss statistics before that step (0 during the warm-up; +-inf
@@ -57,10 +58,17 @@ class SkipStats(NamedTuple):
     loss_zscore_count: int32 ``[]``: finite losses with a z-score above
       ``loss_zscore`` (after the warm-up).
     loss_nonfinite_count: int32 ``[]``: steps whose loss was NaN or Inf.
+    update_norm: float ``[]``: the global L2 norm of the update ``inner``
+      proposed at the last step (applied or not).
+    update_zscore_count: int32 ``[]``: finite update norms with a z-score
+      above ``update_zscore`` (after the warm-up).
+    skipped_by_update: bool ``[]``: the last step was rolled back by its
+      update norm (NaN/Inf or ``update_zscore``).
     skip_streak: int32 ``[]``: finite steps in a row the guards would skip.
-    norm_stats: the ``_spike_stats.Running`` statistics of the accepted
-      norms (``count``: how many fed them since they last started).
-    loss_stats: the same for the accepted finite losses.
+    norm_stats: the ``_spike_stats.Running`` statistics of the norms (EMA:
+      the accepted ones; window: the last ``window``).
+    loss_stats: the same for the finite losses.
+    update_stats: the same for the finite update norms.
     leaf_norms: with ``leaf_norms=True``, the last step's norm of every
       leaf (per layer where ``layer_axis`` says), as in ``ClipState``;
       otherwise None.
@@ -78,9 +86,13 @@ class SkipStats(NamedTuple):
   loss_zscore: jax.Array
   loss_zscore_count: jax.Array
   loss_nonfinite_count: jax.Array
+  update_norm: jax.Array
+  update_zscore_count: jax.Array
+  skipped_by_update: jax.Array
   skip_streak: jax.Array
   norm_stats: Running
   loss_stats: Running
+  update_stats: Running
   leaf_norms: PyTree = None
 
   @property
@@ -108,19 +120,23 @@ class SkipStats(NamedTuple):
     return self.loss_stats.count
 
   @classmethod
-  def fresh(cls, dtype: jax.typing.DTypeLike,
-            leaf_norms: PyTree = None) -> "SkipStats":
-    """The statistics before the first step, their floats in ``dtype``."""
+  def fresh(cls, dtype: jax.typing.DTypeLike, leaf_norms: PyTree = None,
+            window: int | None = None) -> "SkipStats":
+    """The statistics before the first step, their floats in ``dtype``;
+    windows of ``window`` values, or EMAs (None)."""
     zero = _counters.zero
+    running = lambda: Running.fresh(dtype, window)  # noqa: E731
     return cls(norm=jnp.zeros([], dtype), count=zero(), skipped_count=zero(),
                forced_count=zero(), nonfinite_count=zero(),
                max_norm_count=zero(), zscore_count=zero(),
                skipped_by_norm=jnp.zeros([], bool),
                skipped_by_loss=jnp.zeros([], bool), loss=jnp.zeros([], dtype),
                loss_zscore=jnp.zeros([], dtype), loss_zscore_count=zero(),
-               loss_nonfinite_count=zero(), skip_streak=zero(),
-               norm_stats=Running.fresh(dtype), loss_stats=Running.fresh(dtype),
-               leaf_norms=leaf_norms)
+               loss_nonfinite_count=zero(),
+               update_norm=jnp.zeros([], dtype), update_zscore_count=zero(),
+               skipped_by_update=jnp.zeros([], bool), skip_streak=zero(),
+               norm_stats=running(), loss_stats=running(),
+               update_stats=running(), leaf_norms=leaf_norms)
 
 
 def _extras(stats: SkipStats) -> dict[str, jax.Array]:
@@ -131,13 +147,16 @@ def _extras(stats: SkipStats) -> dict[str, jax.Array]:
           "loss_ema_count": stats.loss_ema_count,
           "loss_mean": stats.loss_mean, "loss_var": stats.loss_var,
           "loss_std": _running_stats.safe_sqrt(stats.loss_var),
+          "update_mean": stats.update_stats.mean,
+          "update_std": _running_stats.safe_sqrt(stats.update_stats.var),
           "skip_rate": rate.astype(jnp.float32),
           **_leaf_norms.entries(stats.leaf_norms)}
 
 
 # The streak is bookkeeping; the statistics are reported flat (extras).
 _stats.register(SkipStats, "skip",
-                hide=("skip_streak", "norm_stats", "loss_stats", "leaf_norms"),
+                hide=("skip_streak", "norm_stats", "loss_stats",
+                      "update_stats", "leaf_norms"),
                 extras=_extras, clips=False)
 
 
@@ -150,63 +169,103 @@ def _released(streak: jax.Array, would_skip: jax.Array,
   return would_skip & (streak >= jnp.asarray(max_consecutive_skips, jnp.int32))
 
 
+class _Guard(NamedTuple):
+  """One guarded value's part of a step (see ``step``)."""
+  value: jax.Array
+  judged: _spike_stats.Verdict
+  skips: jax.Array  # the value's own reasons to skip the step
+  finite: jax.Array  # whether it counts as finite for the streak
+
+
+def _guard(running: Running, value: jax.Array, threshold: Scalar | None, *,
+           warmup_steps: Scalar, two_sided: bool, signed: bool = False
+           ) -> _Guard:
+  """The verdict on ``value``; a NaN/Inf skips when ``threshold`` is set."""
+  judged = _spike_stats.verdict(running, value, zscore=threshold,
+                                warmup_steps=warmup_steps,
+                                two_sided=two_sided, signed=signed)
+  finite = jnp.isfinite(value)
+  skips = judged.spike | (~finite if threshold is not None else False)
+  return _Guard(value, judged, skips,
+                finite if threshold is not None else jnp.ones([], bool))
+
+
+def _judge(stats: SkipStats, norm: jax.Array, loss: jax.Array | None,
+           update_norm: jax.Array | None, *, zscore: Scalar | None,
+           loss_zscore: Scalar | None, update_zscore: Scalar | None,
+           warmup_steps: Scalar | None, two_sided: bool) -> dict[str, _Guard]:
+  """Each given value's verdict, by name ("norm", "loss", "update")."""
+  if warmup_steps is None:
+    warmup_steps = _spike_stats.default_warmup(stats.norm_stats)
+  common = {"warmup_steps": warmup_steps, "two_sided": two_sided}
+  guards = {"norm": _guard(stats.norm_stats, norm, zscore, **common)}
+  if loss is not None:
+    guards["loss"] = _guard(stats.loss_stats, loss, loss_zscore, signed=True,
+                            **common)
+  if update_norm is not None:
+    guards["update"] = _guard(stats.update_stats, update_norm, update_zscore,
+                              **common)
+  return guards
+
+
 def step(stats: SkipStats, norm: jax.Array, *, nonfinite: bool,
          max_norm: Scalar | None, zscore: Scalar | None, ema_decay: Scalar,
-         warmup_steps: Scalar, loss: jax.Array | None = None,
+         warmup_steps: Scalar | None, loss: jax.Array | None = None,
          loss_zscore: Scalar | None = None,
-         max_consecutive_skips: Scalar | None = MAX_CONSECUTIVE_SKIPS
-         ) -> tuple[jax.Array, SkipStats]:
-  """Whether to skip a step with ``norm`` (and ``loss``, if given; both in
-  the statistics' dtype), and the statistics after it (see ``skip_step``).
-
-  Without ``loss`` the loss fields are left as they are.
+         update_norm: jax.Array | None = None,
+         update_zscore: Scalar | None = None,
+         max_consecutive_skips: Scalar | None = MAX_CONSECUTIVE_SKIPS,
+         two_sided: bool = False) -> tuple[jax.Array, SkipStats]:
+  """Whether to skip a step with ``norm`` (and ``loss``, ``update_norm``,
+  if given; all in the statistics' dtype), and the statistics after it
+  (see ``skip_step``). Without ``loss`` (``update_norm``) its fields are
+  left as they are; ``warmup_steps`` None: ``default_warmup``.
   """
+  guards = _judge(stats, norm, loss, update_norm, zscore=zscore,
+                  loss_zscore=loss_zscore, update_zscore=update_zscore,
+                  warmup_steps=warmup_steps, two_sided=two_sided)
   finite = jnp.isfinite(norm)
   too_large = jnp.zeros([], bool)
   if max_norm is not None:
     too_large = finite & (norm > jnp.asarray(max_norm, norm.dtype))
-  judged = _spike_stats.ema_verdict(stats.norm_stats, norm, zscore=zscore,
-                                    warmup_steps=warmup_steps)
-  by_norm = too_large | judged.spike | (~finite if nonfinite else False)
-  by_loss, all_finite = jnp.zeros([], bool), finite
-  judged_loss = None
-  if loss is not None:
-    judged_loss = _spike_stats.ema_verdict(
-        stats.loss_stats, loss, zscore=loss_zscore, warmup_steps=warmup_steps,
-        signed=True)
-    by_loss = judged_loss.spike
-    if loss_zscore is not None:
-      by_loss = by_loss | ~jnp.isfinite(loss)
-    all_finite = finite & jnp.isfinite(loss)
+  by = {k: g.skips for k, g in guards.items()}
+  by["norm"] = too_large | guards["norm"].judged.spike | (
+      ~finite if nonfinite else False)
+  would_skip = functools.reduce(jnp.logical_or, by.values())
   # Steps with a NaN or Inf neither extend nor break the streak.
-  would_skip = by_norm | by_loss
+  all_finite = finite & functools.reduce(
+      jnp.logical_and, [g.finite for g in guards.values()])
   release = all_finite & _released(stats.skip_streak, would_skip,
                                    max_consecutive_skips)
   skip = would_skip & ~release
-  accepted = finite & ~skip
   count_if = _counters.count_if
+  fed = {k: _spike_stats.feed(
+      getattr(stats, f"{k}_stats"), g.value, g.judged,
+      accepted=finite & ~skip & jnp.isfinite(g.value), release=release,
+      decay=ema_decay, signed=k == "loss") for k, g in guards.items()}
   new = stats._replace(
       norm=norm, count=_counters.increment(stats.count),
       skipped_count=count_if(skip, stats.skipped_count),
       forced_count=count_if(release, stats.forced_count),
       nonfinite_count=count_if(~finite, stats.nonfinite_count),
       max_norm_count=count_if(too_large, stats.max_norm_count),
-      zscore_count=count_if(judged.spike, stats.zscore_count),
-      skipped_by_norm=by_norm & ~release, skipped_by_loss=by_loss & ~release,
+      zscore_count=count_if(guards["norm"].judged.spike, stats.zscore_count),
+      skipped_by_norm=by["norm"] & ~release,
+      skipped_by_loss=by.get("loss", False) & ~release,
       skip_streak=jnp.where(all_finite, jnp.where(
           would_skip, count_if(True, stats.skip_streak), 0),
           stats.skip_streak),
-      norm_stats=_spike_stats.ema_feed(
-          stats.norm_stats, norm, judged, accepted=accepted, release=release,
-          decay=ema_decay))
-  if loss is None or judged_loss is None:
-    return skip, new
-  return skip, new._replace(
-      loss=loss, loss_zscore=judged_loss.z,
-      loss_zscore_count=count_if(judged_loss.spike, stats.loss_zscore_count),
-      loss_nonfinite_count=count_if(~jnp.isfinite(loss),
-                                    stats.loss_nonfinite_count),
-      loss_stats=_spike_stats.ema_feed(
-          stats.loss_stats, loss, judged_loss,
-          accepted=accepted & jnp.isfinite(loss), release=release,
-          decay=ema_decay, signed=True))
+      norm_stats=fed["norm"])
+  if "loss" in guards:
+    judged = guards["loss"].judged
+    new = new._replace(
+        loss=loss, loss_zscore=judged.z, loss_stats=fed["loss"],
+        loss_zscore_count=count_if(judged.spike, stats.loss_zscore_count),
+        loss_nonfinite_count=count_if(~jnp.isfinite(guards["loss"].value),
+                                      stats.loss_nonfinite_count))
+  if "update" in guards:
+    new = new._replace(
+        skipped_by_update=by["update"] & ~release, update_norm=update_norm,
+        update_stats=fed["update"], update_zscore_count=count_if(
+            guards["update"].judged.spike, stats.update_zscore_count))
+  return skip, new

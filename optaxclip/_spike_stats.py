@@ -1,13 +1,15 @@
 """Spike statistics of one guarded value (a norm or a loss), as pure functions.
 
-``skip_step`` judges each value it guards against running statistics of
-that value's past, then feeds the statistics once every guard has spoken
-(a step skipped for its loss must not feed the norm's statistics). So each
-mode has two pure functions:
+``skip_step`` judges each value it guards against statistics of that
+value's past, then feeds the statistics once every guard has spoken (a step
+skipped for its loss must not feed the norm's EMA). So each mode has a
+verdict and a feed, and ``verdict``/``feed`` dispatch on the statistics:
 
-- ``ema_verdict(stats, value, ...) -> Verdict`` and ``ema_feed(stats,
-  value, verdict, ...) -> Running``: exponential moving averages of the
-  accepted values, winsorized (``_running_stats``).
+- EMA mode (``window`` None): ``ema_verdict`` / ``ema_feed``: exponential
+  moving averages of the accepted values, winsorized (``_running_stats``);
+- window mode: ``window_verdict`` / ``window_feed``: the plain mean and
+  Bessel standard deviation of the last ``N`` finite values, skipped ones
+  included (OLMo-core's and MaxText's rule), ``N`` floats of state.
 
 A ``Verdict`` says whether the value is a spike (a z-score above the
 threshold once the warm-up is over) and whether the statistics start
@@ -32,18 +34,24 @@ class Running(NamedTuple):
     var: float ``[]``: their variance.
     count: int32 ``[]``: values in the statistics since they last started.
     streak: int32 ``[]``: values in a row the statistics disagree with;
-      ``RESTART_AFTER`` start them again.
+      ``RESTART_AFTER`` start them again (EMA mode).
+    window: float ``[N]``: the last ``N`` finite values, oldest first
+      (window mode; the last ``count`` hold values); None in EMA mode.
   """
   mean: jax.Array
   var: jax.Array
   count: jax.Array
   streak: jax.Array
+  window: jax.Array | None = None
 
   @classmethod
-  def fresh(cls, dtype: jax.typing.DTypeLike) -> "Running":
-    """The statistics before the first value, their floats in ``dtype``."""
+  def fresh(cls, dtype: jax.typing.DTypeLike,
+            window: int | None = None) -> "Running":
+    """The statistics before the first value, their floats in ``dtype``;
+    a ``window`` of that many values, or EMAs (None)."""
     return cls(mean=jnp.zeros([], dtype), var=jnp.zeros([], dtype),
-               count=_counters.zero(), streak=_counters.zero())
+               count=_counters.zero(), streak=_counters.zero(),
+               window=None if window is None else jnp.zeros([window], dtype))
 
 
 class Verdict(NamedTuple):
@@ -144,8 +152,85 @@ def ema_feed(stats: Running, value: jax.Array, verdict: Verdict, *,
   streak, restart = _running_stats.streak_of(
       stats.streak, verdict.disagrees | (accepted & below),
       accepted | verdict.disagrees)
-  return Running(
+  return stats._replace(
       mean=jnp.where(restart, value, jnp.where(accepted, mean, stats.mean)),
       var=jnp.where(restart, 0, jnp.where(accepted, var, stats.var)),
       count=jnp.where(restart, 1, _counters.count_if(accepted, stats.count)),
       streak=streak)
+
+
+def window_moments(window: jax.Array, count: jax.Array
+                   ) -> tuple[jax.Array, jax.Array]:
+  """Mean and Bessel variance (``n - 1``, at least 1) of the last ``count``
+  values of ``window``, as MaxText's ``_compute_rolling_stats``.
+
+  Computed on the values divided by a power of two near their largest
+  magnitude (exact: the same roundings), so that neither the sum nor the
+  squares overflow; the variance saturates at the largest float.
+  """
+  size = window.shape[0]
+  valid = jnp.arange(size) >= size - count
+  _, exponent = jnp.frexp(jnp.max(jnp.where(valid, jnp.abs(window), 0)))
+  scale = jnp.ldexp(jnp.ones([], window.dtype), exponent)
+  scaled = jnp.where(valid, window / scale, 0)
+  n = count.astype(window.dtype)
+  mean = jnp.sum(scaled) / jnp.maximum(n, 1)
+  var = (jnp.sum(jnp.where(valid, jnp.square(scaled - mean), 0)) /
+         jnp.maximum(n - 1, 1))
+  return mean * scale, _running_stats.saturate(var * scale * scale)
+
+
+def window_verdict(stats: Running, value: jax.Array, *,
+                   zscore: Scalar | None, warmup_steps: Scalar,
+                   two_sided: bool = False) -> Verdict:
+  """The window's verdict on ``value``: the z-test against the values
+  before it, once ``max(warmup_steps, 1)`` (at most ``N``) are in."""
+  assert stats.window is not None
+  start = jnp.minimum(jnp.maximum(warmup_steps, 1), stats.window.shape[0])
+  active = stats.count >= start
+  never = jnp.zeros([], bool)
+  return Verdict(spike=is_spike(stats, value, zscore, active, two_sided),
+                 restart=never, disagrees=never,
+                 z=zscore_of(stats, value, active))
+
+
+def window_feed(stats: Running, value: jax.Array) -> Running:
+  """The window after a step with ``value``: every finite value goes in,
+  skipped or not (so that a lasting level becomes the baseline)."""
+  assert stats.window is not None
+  finite = jnp.isfinite(value)
+  window = jnp.where(finite, jnp.roll(stats.window, -1).at[-1].set(value),
+                     stats.window)
+  count = jnp.where(finite, jnp.minimum(stats.count + 1, window.shape[0]),
+                    stats.count).astype(jnp.int32)
+  mean, var = window_moments(window, count)
+  return stats._replace(mean=mean, var=var, count=count, window=window)
+
+
+def default_warmup(stats: Running) -> int:
+  """``warmup_steps`` when not given: 100 values for the EMAs; for a
+  window of ``N``, OLMo-core's and MaxText's ``max(2, N // 2) - 1``
+  values before the one judged."""
+  if stats.window is None:
+    return 100
+  return max(2, stats.window.shape[0] // 2) - 1
+
+
+def verdict(stats: Running, value: jax.Array, *, zscore: Scalar | None,
+            warmup_steps: Scalar, two_sided: bool, signed: bool) -> Verdict:
+  """``ema_verdict`` or ``window_verdict``, by the statistics' mode."""
+  if stats.window is None:
+    return ema_verdict(stats, value, zscore=zscore, warmup_steps=warmup_steps,
+                       two_sided=two_sided, signed=signed)
+  return window_verdict(stats, value, zscore=zscore,
+                        warmup_steps=warmup_steps, two_sided=two_sided)
+
+
+def feed(stats: Running, value: jax.Array, judged: Verdict, *,
+         accepted: jax.Array, release: jax.Array, decay: Scalar,
+         signed: bool) -> Running:
+  """``ema_feed`` or ``window_feed``, by the statistics' mode."""
+  if stats.window is None:
+    return ema_feed(stats, value, judged, accepted=accepted, release=release,
+                    decay=decay, signed=signed)
+  return window_feed(stats, value)

@@ -320,13 +320,17 @@ def guard_soak(name: str):
   losses = jnp.asarray(values["loss"], jnp.float32)
   direction = {"w": jnp.asarray([0.6, -0.8]), "b": jnp.asarray([1.0])}
   tx = {"skip_step": oc.skip_step(optax.sgd(0.1), zscore=6.0, loss_zscore=6.0),
+        "skip_step window": oc.skip_step(optax.sgd(0.1), zscore=6.0,
+                                         loss_zscore=6.0, window=128),
+        "skip_step update": oc.skip_step(optax.sgd(0.1), update_zscore=6.0,
+                                         loss_zscore=6.0, window=128),
         "zclip": oc.zclip(max_grad_norm=None),
         "adagc": oc.adagc(warmup_steps=100)}[name]
 
   def step(state, x):
     norm, loss = x
     grads = {"w": direction["w"] * norm, "b": direction["b"] * 0.5 * norm}
-    extra = {"loss": loss} if name == "skip_step" else {}
+    extra = {"loss": loss} if name.startswith("skip_step") else {}
     updates, state = tx.update(grads, state, grads, **extra)
     return state, (state, jnp.abs(updates["w"][0]) / jnp.abs(grads["w"][0]))
 
@@ -339,10 +343,49 @@ def _marks(counter) -> np.ndarray:
   return np.diff(np.concatenate([[0], counter])) > 0
 
 
+def _exact_skip_counters(stats, kinds):
+  """The counters of skip_step agree with each other at every step: a
+  finite step the guards would skip is skipped or let through (forced)."""
+  bad = np.isin(kinds, ["nan", "inf"])
+  np.testing.assert_array_equal(_marks(stats.nonfinite_count), bad)
+  np.testing.assert_array_equal(_marks(stats.loss_nonfinite_count), bad)
+  skipped = _marks(stats.skipped_count)
+  np.testing.assert_array_equal(
+      skipped, stats.skipped_by_norm | stats.skipped_by_loss | stats.skipped_by_update)
+  would = (_marks(stats.zscore_count) | _marks(stats.loss_zscore_count)
+           | _marks(stats.update_zscore_count))
+  np.testing.assert_array_equal(_marks(stats.forced_count), would & ~skipped & ~bad)
+  assert skipped[bad].all()
+  assert _longest_run(skipped & ~bad) <= 4
+  return skipped, bad
+
+
+@pytest.mark.parametrize("name", ["skip_step window", "skip_step update"])
+def test_skip_step_windows_never_stall_over_thousands_of_steps(name):
+  """Window mode (OLMo-core's rule) and the update-norm guard: exact
+  counters, finite statistics, at most 4 finite skips in a row. (A window
+  keeps every spike: several in one window hide the next, as theirs do.)"""
+  kinds, values, settled = guard_data()
+  states, _ = guard_soak(name)
+  stats = states.stats
+  for running in (stats.norm_stats, stats.loss_stats, stats.update_stats):
+    for x in (running.mean, running.var, running.window):
+      assert np.all(np.isfinite(x))
+  skipped, _ = _exact_skip_counters(stats, kinds)
+  assert np.mean(skipped[kinds == "spike"]) > 0.9
+  assert np.mean(skipped[settled & (kinds == "ok")]) < 0.005
+  if name == "skip_step update":  # the update's norm is lr times the norm
+    np.testing.assert_allclose(stats.update_norm[kinds == "ok"],
+                               0.1 * values["norm"][kinds == "ok"] * np.sqrt(1.25),
+                               rtol=1e-5)
+    assert stats.skipped_by_update[kinds == "spike"].mean() > 0.9
+
+
 def test_skip_step_never_stalls_over_thousands_of_steps():
   kinds, values, settled = guard_data()
   states, _ = guard_soak("skip_step")
   stats = states.stats
+  _exact_skip_counters(stats, kinds)
   for running in (stats.norm_stats, stats.loss_stats):
     assert np.all(np.isfinite(running.mean)) and np.all(np.isfinite(running.var))
   bad = np.isin(kinds, ["nan", "inf"])
