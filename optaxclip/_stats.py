@@ -33,7 +33,9 @@ def register(state_type: type, name: str, summary: Summary | None = None, *,
   see unscaled ones (``dynamic_loss_scale`` checks that none comes first).
   """
   def derived(state: Any) -> dict[str, jax.Array]:
-    fields = {k: v for k, v in state._asdict().items() if k not in hide}
+    # A field that is None holds nothing this configuration measures.
+    fields = {k: v for k, v in state._asdict().items()
+              if k not in hide and v is not None}
     return {**fields, **(extras(state) if extras else {})}
 
   _REGISTRY[state_type] = (name, summary or derived)

@@ -1,14 +1,12 @@
 """ZClip: clip gradient-norm spikes found by a z-score against an EMA.
 
-During a warm-up the global L2 norms are collected (and clipped only at
-``max_grad_norm``, as ``torch.nn.utils.clip_grad_norm_`` does); their mean and
-population variance then start exponential moving averages. Afterwards a norm
-``g`` whose z-score ``(g - mean) / (std + eps)`` exceeds ``z_thresh`` is a
-spike, clipped to a threshold computed from the EMA, and the EMA is fed the
-threshold instead of the spike. The numbers follow the reference
+A warm-up collects the global L2 norms; their mean and variance start
+exponential moving averages, against which later norms are scored and
+spikes cut to a threshold. ``step`` is the statistics as a pure function
+``(state, norm) -> (factor, new_state)``. The numbers follow the reference
 implementation (github.com/bluorion-com/ZClip), including its clip
-coefficient ``threshold / (g + 1e-6)``, applied when ``g > threshold``,
-except after one outlier in the warm-up (see ``zclip``).
+coefficient ``threshold / (g + 1e-6)``, except where its statistics break
+(docs/guards.md).
 """
 
 from typing import Any, Literal, NamedTuple, get_args
@@ -37,6 +35,10 @@ CLIP_OPTIONS = get_args(ClipOption)
 # The reference divides by norm + 1e-6 whatever its `eps` (which only guards
 # the z-score), in warm-up (clip_grad_norm_) and after it alike.
 COEFFICIENT_EPS = 1e-6
+# The reference cuts a lasting rise of the norm for ever (its EMA is fed the
+# threshold, or nothing); after this many spikes in a row the next are let
+# through and fed in full, as skip_step's max_consecutive_skips.
+MAX_CONSECUTIVE_SPIKES = 4
 
 
 class ZClipState(NamedTuple):
@@ -58,10 +60,12 @@ class ZClipState(NamedTuple):
     scale: float ``[]``: the factor applied last step (1 = not clipped).
     count: int32 ``[]``: steps seen.
     clipped_count: int32 ``[]``: steps with a finite norm and ``scale < 1``.
-    spike_count: int32 ``[]``: steps detected as spikes (after the warm-up).
+    spike_count: int32 ``[]``: steps cut as spikes (after the warm-up).
     nonfinite_count: int32 ``[]``: steps whose norm was NaN or Inf.
     stale_count: int32 ``[]``: finite norms in a row, after the warm-up,
       100 times below the mean (3 start a new warm-up).
+    spike_streak: int32 ``[]``: finite norms in a row, after the warm-up,
+      detected as spikes (past ``max_consecutive_spikes``, let through).
     leaf_norms: with ``leaf_norms=True``, the last update's norm of every
       leaf (per layer where ``layer_axis`` says), as in ``ClipState``;
       otherwise None.
@@ -79,11 +83,14 @@ class ZClipState(NamedTuple):
   spike_count: jax.Array
   nonfinite_count: jax.Array
   stale_count: jax.Array
+  spike_streak: jax.Array
   leaf_norms: PyTree = None
+  stack_norms: PyTree = None
 
   @classmethod
   def fresh(cls, dtype: jax.typing.DTypeLike, warmup_steps: int,
-            leaf_norms: PyTree = None) -> "ZClipState":
+            leaf_norms: PyTree = None, stack_norms: PyTree = None
+            ) -> "ZClipState":
     """The state before the first step: an empty warm-up buffer."""
     return cls(mean=jnp.zeros([], dtype), var=jnp.zeros([], dtype),
                warmup_norms=jnp.zeros([warmup_steps], dtype),
@@ -92,18 +99,19 @@ class ZClipState(NamedTuple):
                scale=jnp.ones([], dtype), count=_counters.zero(),
                clipped_count=_counters.zero(), spike_count=_counters.zero(),
                nonfinite_count=_counters.zero(), stale_count=_counters.zero(),
-               leaf_norms=leaf_norms)
+               spike_streak=_counters.zero(), leaf_norms=leaf_norms,
+               stack_norms=stack_norms)
 
 
 def _extras(state: ZClipState) -> dict[str, jax.Array]:
   return {"std": _running_stats.safe_sqrt(state.var),
           "clip_rate": _counters.clip_rate(state),
-          **_leaf_stats.entries(state.leaf_norms)}
+          **_leaf_stats.entries(state.leaf_norms, state.stack_norms)}
 
 
 _stats.register(ZClipState, "zclip", extras=_extras,
                 hide=("var", "warmup_norms", "collected", "stale_count",
-                      "leaf_norms"))
+                      "spike_streak", "leaf_norms", "stack_norms"))
 
 
 def _safe_divide(numerator: jax.Array, denominator: jax.Array,
@@ -132,40 +140,68 @@ def _spike_threshold(norm: jax.Array, mean: jax.Array, std: jax.Array,
   return z > z_limit, limit * jnp.asarray(clip_factor, norm.dtype)
 
 
-def step(state: ZClipState, norm: jax.Array, *, alpha: Scalar,
-         z_thresh: Scalar, max_grad_norm: Scalar | None, eps: Scalar,
-         mode: Mode, clip_option: ClipOption, clip_factor: Scalar,
-         skip_update_on_spike: bool) -> tuple[jax.Array, ZClipState]:
-  """One step of ``zclip``'s statistics: the factor for ``norm`` and the
-  state after it (``norm`` in the state's float dtype; see ``zclip``)."""
-  dtype = state.mean.dtype
-  finite = jnp.isfinite(norm)
-  a = jnp.asarray(alpha, dtype)
+class _WarmUp(NamedTuple):
+  """The warm-up's part of a step: the buffer after it and whether the
+  warm-up was on (``warming``) or ends at this step (``starts``, with the
+  moments that start the EMA)."""
+  warming: jax.Array
+  starts: jax.Array
+  buffer: jax.Array
+  collected: jax.Array
+  mean: jax.Array
+  var: jax.Array
 
-  # Warm-up: collect the norm; the buffer's length is warmup_steps (read
-  # from the state: under inject_hyperparams the argument is traced here).
+
+def _warm_up(state: ZClipState, norm: jax.Array) -> _WarmUp:
+  """Collects a finite ``norm`` while warming up; the buffer's length is
+  ``warmup_steps`` (read from the state: injected, the argument is traced)."""
   length = state.warmup_norms.shape[0]
   warming = state.collected < length
-  collect = warming & finite
+  collect = warming & jnp.isfinite(norm)
   slot = jnp.minimum(state.collected, length - 1)
   buffer = jnp.where(collect, state.warmup_norms.at[slot].set(norm),
                      state.warmup_norms)
   collected = state.collected + collect.astype(jnp.int32)
   starts = warming & (collected >= length)
   # Only the last warm-up step needs them (and pays for the median).
-  first_mean, first_var = jax.lax.cond(
+  mean, var = jax.lax.cond(
       starts, _running_stats.robust_moments, lambda b: (state.mean, state.var),
       buffer)
+  return _WarmUp(warming, starts, buffer, collected, mean, var)
 
+
+def _released(state: ZClipState, spike: jax.Array,
+              max_consecutive_spikes: Scalar | None) -> jax.Array:
+  """Whether a spike is let through: ``max_consecutive_spikes`` came in a
+  row before it (a lasting level, not a spike: docs/guards.md)."""
+  if max_consecutive_spikes is None:
+    return jnp.zeros([], bool)
+  return spike & (state.spike_streak >=
+                  jnp.asarray(max_consecutive_spikes, jnp.int32))
+
+
+def step(state: ZClipState, norm: jax.Array, *, alpha: Scalar,
+         z_thresh: Scalar, max_grad_norm: Scalar | None, eps: Scalar,
+         mode: Mode, clip_option: ClipOption, clip_factor: Scalar,
+         skip_update_on_spike: bool,
+         max_consecutive_spikes: Scalar | None = MAX_CONSECUTIVE_SPIKES
+         ) -> tuple[jax.Array, ZClipState]:
+  """One step of ``zclip``'s statistics: the factor for ``norm`` and the
+  state after it (``norm`` in the state's float dtype; see ``zclip``)."""
+  dtype = state.mean.dtype
+  finite = jnp.isfinite(norm)
+  warm = _warm_up(state, norm)
   # After warm-up: z-score against the EMA.
   std = _running_stats.safe_sqrt(state.var)
   deviation = norm - state.mean
   z = _safe_divide(deviation, std + jnp.asarray(eps, dtype),
                    jnp.where(deviation > 0, jnp.inf, 0.0))
-  spike, limit = _spike_threshold(norm, state.mean, std, z, z_thresh=z_thresh,
-                                  mode=mode, clip_option=clip_option,
-                                  clip_factor=clip_factor)
-  spike = spike & ~warming
+  detected, limit = _spike_threshold(
+      norm, state.mean, std, z, z_thresh=z_thresh, mode=mode,
+      clip_option=clip_option, clip_factor=clip_factor)
+  detected = detected & ~warm.warming  # (an Inf norm too, as the reference)
+  release = finite & _released(state, detected, max_consecutive_spikes)
+  spike = detected & ~release
   threshold = jnp.where(spike, limit, norm)
   if max_grad_norm is not None:
     threshold = jnp.minimum(threshold, jnp.asarray(max_grad_norm, dtype))
@@ -175,33 +211,37 @@ def step(state: ZClipState, norm: jax.Array, *, alpha: Scalar,
     warm_factor = _scaling.clip_factor(norm, max_grad_norm, COEFFICIENT_EPS)
   else:
     warm_factor = jnp.ones([], dtype)
-  factor = jnp.where(warming, warm_factor, factor)
+  factor = jnp.where(warm.warming, warm_factor, factor)
 
-  # EMA: mean first, then the variance around the new mean (ZClip's).
-  observed = jnp.where(spike, limit, norm)
-  mean, var = _running_stats.ema(state.mean, state.var, observed, a,
-                                 zclip=True)
-  tracks = ~warming & finite
+  # EMA: mean first, then the variance around the new mean (ZClip's); a
+  # released spike is fed in full.
+  mean, var = _running_stats.ema(state.mean, state.var,
+                                 jnp.where(spike, limit, norm),
+                                 jnp.asarray(alpha, dtype), zclip=True)
+  tracks = ~warm.warming & finite
   if skip_update_on_spike:
     tracks = tracks & ~spike
-  mean = jnp.where(starts, first_mean, jnp.where(tracks, mean, state.mean))
-  var = jnp.where(starts, first_var, jnp.where(tracks, var, state.var))
+  mean = jnp.where(warm.starts, warm.mean, jnp.where(tracks, mean, state.mean))
+  var = jnp.where(warm.starts, warm.var, jnp.where(tracks, var, state.var))
   # Statistics that ordinary norms find far above them: warm up again.
   stale, restart = _running_stats.stale_streak(
-      state.stale_count, norm, state.mean, ~warming & finite)
+      state.stale_count, norm, state.mean, ~warm.warming & finite)
   mean, var = jnp.where(restart, 0, mean), jnp.where(restart, 0, var)
   # A warm-up of zero norms gives no scale: with mean and std 0 every later
   # norm would be a spike cut to 0, zeroing every update for good.
-  restart = restart | (starts & (first_mean == 0))
+  restart = restart | (warm.starts & (warm.mean == 0))
 
   new_state = ZClipState(
       mean=mean.astype(dtype), var=var.astype(dtype),
-      warmup_norms=buffer.astype(dtype),
-      collected=jnp.where(restart, 0, collected).astype(jnp.int32),
-      norm=norm, z=jnp.where(warming, 0.0, z).astype(dtype),
+      warmup_norms=warm.buffer.astype(dtype),
+      collected=jnp.where(restart, 0, warm.collected).astype(jnp.int32),
+      norm=norm, z=jnp.where(warm.warming, 0.0, z).astype(dtype),
       threshold=threshold.astype(dtype), scale=factor.astype(dtype),
       spike_count=_counters.count_if(spike, state.spike_count),
       stale_count=stale,
+      spike_streak=jnp.where(finite, jnp.where(
+          detected, _counters.increment(state.spike_streak), 0),
+          state.spike_streak).astype(jnp.int32),
       **_counters.step_counts(state, finite=finite, clipped=factor < 1))
   return factor, new_state
 
@@ -211,96 +251,45 @@ def zclip(*, alpha: Scalar = 0.97, z_thresh: Scalar = 2.5,
           mode: Mode = "zscore", clip_option: ClipOption = "adaptive_scaling",
           clip_factor: Scalar = 1.0, skip_update_on_spike: bool = False,
           axis_name: AxisName = None, specs: PyTree = None,
-          leaf_norms: bool = False, layer_axis: PyTree = None
+          leaf_norms: bool = False, layer_axis: PyTree = None,
+          max_consecutive_spikes: Scalar | None = MAX_CONSECUTIVE_SPIKES
           ) -> optax.GradientTransformation:
   """Clips gradient-norm spikes detected by a z-score against an EMA (ZClip).
 
-  The first ``warmup_steps`` global L2 norms ``g`` are collected while the
-  updates are clipped at ``max_grad_norm`` only (factor
-  ``min(1, max_grad_norm / (g + 1e-6))``). Their mean and population
-  variance then start the EMA. From the next step on, with
-  ``std = sqrt(var)`` and ``z = (g - mean) / (std + eps)``:
-
-  - ``mode="zscore"``: ``g`` is a spike when ``z > z_thresh``; its threshold
-    is ``(mean + z_thresh**2 * std / z) * clip_factor``
-    (``clip_option="adaptive_scaling"``: larger spikes are cut closer to the
-    mean) or ``mean`` (``clip_option="mean"``);
-  - ``mode="percentile"``: ``g`` is a spike when it exceeds
-    ``mean + z_thresh * std``, which is also its threshold.
-
-  The threshold used is the spike's (or ``g`` itself when there is none),
-  capped at ``max_grad_norm`` unless that is None, and the updates are
-  multiplied by ``threshold / (g + 1e-6)`` when ``g > threshold``. The EMA
-  is then updated, mean first and the variance with the new mean, with the
-  spike's threshold (not capped) or with ``g``; with
-  ``skip_update_on_spike`` spikes leave it unchanged.
-
-  Same defaults and numbers as the reference implementation, but for
-  inputs that break the reference:
-
-  - a NaN or Inf norm, which propagates into the update as in the
-    reference, is kept out of the warm-up buffer and the EMA (in the
-    reference it poisons every later step) and counted in
-    ``nonfinite_count``;
-  - one huge finite norm: in the reference, one norm of 2e19 in the
-    warm-up makes the variance overflow, and one of 1e10 hides every spike
-    for hundreds of steps. Here the warm-up's mean and variance leave out
-    norms more than 100 times the median of the warm-up norms (none when
-    that median is 0); after the warm-up the EMA is fed at most the spike
-    threshold, as in the reference; and 3 finite norms in a row more than
-    100 times below the EMA's mean (an outlier the warm-up could not single
-    out, with ``warmup_steps <= 2``) start a new warm-up. So one finite
-    norm of any size, at any step, moves the statistics by a bounded
-    amount: a norm 1e6 times the usual ones is a spike again at the next
-    step when the outlier came after the warm-up, and otherwise from the
-    warm-up's end when ``warmup_steps >= 3``, or from step
-    ``2 * warmup_steps + 3`` (counting from 0). The variance saturates at
-    the largest float rather than overflowing: the statistics stay finite
-    (only ``z``, the last norm's score, may be ``+inf``);
-  - the gradient of the updates through ``std`` is finite when the variance
-    is 0 (all warm-up norms equal);
-  - a warm-up of zero norms (frozen or masked parameters at the start): in
-    the reference every later norm is then a spike cut to the mean 0, and
-    every update is zero for good. Here such a warm-up has no scale to
-    judge by and starts again. (After a warm-up of equal positive norms,
-    the variance is 0 and larger norms are cut to the mean until the EMA
-    moves, as in the reference.)
-
-  The statistics are float32, or float64 when x64 is on and ``init`` is
-  given float64 parameters (a float64 norm beyond float32's range is then
-  clipped, not taken for Inf).
-
-  Injected with ``optax.inject_hyperparams``, the hyperparameters are
-  checked when ``init`` runs eagerly; traced (a jitted update after a change
-  of the state's hyperparameters), ``alpha`` is clamped to [0, 1], and a
-  negative ``z_thresh``, ``max_grad_norm``, ``eps`` or ``clip_factor`` acts
-  as 0 (NaN as 0 for all of them).
+  The first ``warmup_steps`` global L2 norms ``g`` are collected (clipped at
+  ``max_grad_norm`` only, as ``clip_grad_norm_``); their mean and variance
+  start the EMA. Then, with ``z = (g - mean) / (std + eps)``: in
+  ``"zscore"`` mode ``g`` is a spike when ``z > z_thresh``, cut to
+  ``(mean + z_thresh**2 * std / z) * clip_factor``
+  (``clip_option="adaptive_scaling"``) or to ``mean``; in ``"percentile"``
+  mode when ``g > mean + z_thresh * std``, cut to that. Updates are
+  multiplied by ``threshold / (g + 1e-6)`` when ``g > threshold`` (capped at
+  ``max_grad_norm``), and the EMA (mean first) is fed the threshold, or
+  nothing with ``skip_update_on_spike``. The reference's numbers, except
+  where its statistics break: NaN/Inf norms, one huge outlier, a warm-up of
+  zeros, and a lasting rise, which it clips for ever; here at most
+  ``max_consecutive_spikes`` norms are cut in a row, the next let through
+  and fed in full. Details, bounds and injected hyperparameters:
+  docs/guards.md.
 
   Args:
     alpha: EMA smoothing factor in [0, 1] (weight of the past).
-    z_thresh: the z-score above which a norm is a spike (>= 0); in
-      ``"percentile"`` mode, the number of standard deviations allowed.
-    max_grad_norm: an absolute cap on the norm (>= 0), applied in warm-up
-      and after it; None (or ``inf``) for no cap.
+    z_thresh: the z-score above which a norm is a spike (>= 0).
+    max_grad_norm: an absolute cap on the norm (>= 0), or None.
     eps: added to the standard deviation in the z-score (>= 0).
-    warmup_steps: how many norms to collect before the EMA starts (an int
-      >= 1); fixes the state's shape. With ``optax.inject_hyperparams`` and
-      a jitted ``init``, list it in ``static_args``.
+    warmup_steps: norms collected before the EMA starts (an int >= 1); it
+      fixes the state's shape (``static_args`` under ``inject_hyperparams``).
     mode: ``"zscore"`` or ``"percentile"``.
-    clip_option: with ``mode="zscore"``, ``"adaptive_scaling"`` or
-      ``"mean"``.
-    clip_factor: multiplies the ``"adaptive_scaling"`` threshold (the
-      reference multiplies the whole threshold, mean included).
+    clip_option: with ``mode="zscore"``, ``"adaptive_scaling"`` or ``"mean"``.
+    clip_factor: multiplies the ``"adaptive_scaling"`` threshold.
     skip_update_on_spike: leave the EMA unchanged on spikes.
-    axis_name: under ``shard_map``/``pmap``, the mesh axis name(s) the updates
-      are split over: the norms are then those of the whole, unsplit updates,
-      with one all-reduce (see ``functional.global_norm``).
-    specs: with ``axis_name``, the updates' ``PartitionSpec`` (a tree prefix, as
-      ``shard_map``'s ``in_specs``): a leaf replicated on an axis counts once.
-    leaf_norms: keep every leaf's norm in the state (``zclip/leaf_norm/
-      <path>``), from the same pass as the global norm.
-    layer_axis: with ``leaf_norms``, the axis that stacks layers (a tree
-      prefix of ints or None): one norm per layer.
+    axis_name: under ``shard_map``/``pmap``, the axis name(s) the updates
+      are split over (one all-reduce).
+    specs: with ``axis_name``, the updates' ``PartitionSpec`` (a tree prefix).
+    leaf_norms: keep every leaf's norm in the state.
+    layer_axis: with ``leaf_norms``, the axis that stacks layers.
+    max_consecutive_spikes: spikes cut in a row at most (an int >= 1), or
+      None (the reference: a lasting rise is cut for ever).
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a ``ZClipState``.
@@ -312,10 +301,8 @@ def zclip(*, alpha: Scalar = 0.97, z_thresh: Scalar = 2.5,
     >>> state = tx.init([jnp.zeros(1)])
     >>> for norm in (1.0, 1.2, 0.8, 10.0):  # a spike after the warm-up
     ...   updates, state = tx.update([jnp.array([norm])], state)
-    >>> state.z > 2.5, state.spike_count
-    (Array(True, dtype=bool), Array(1, dtype=int32))
-    >>> updates[0]  # cut to mean + 2.5**2 * std / z
-    Array([1.0185], dtype=float32)
+    >>> state.z > 2.5, state.spike_count, updates[0]  # cut to mean + 2.5**2 * std / z
+    (Array(True, dtype=bool), Array(1, dtype=int32), Array([1.0185], dtype=float32))
 
   References:
     Kumar et al., [ZClip: Adaptive Spike Mitigation for LLM
@@ -333,6 +320,9 @@ def zclip(*, alpha: Scalar = 0.97, z_thresh: Scalar = 2.5,
   _validation.check_choice(fn, "clip_option", clip_option, CLIP_OPTIONS)
   clip_factor = _validation.check_nonnegative(fn, "clip_factor", clip_factor)
   _validation.check_bool(fn, "skip_update_on_spike", skip_update_on_spike)
+  if max_consecutive_spikes is not None:
+    max_consecutive_spikes = _validation.check_integer(
+        fn, "max_consecutive_spikes", max_consecutive_spikes, 1)
   where = _core.Where.of(fn, axis_name, specs)
   _validation.check_bool(fn, "leaf_norms", leaf_norms)
   _validation.check_layer_axis(fn, layer_axis)
@@ -341,26 +331,26 @@ def zclip(*, alpha: Scalar = 0.97, z_thresh: Scalar = 2.5,
   def init_fn(params):
     length = _validation.require_buffer_size(fn, "warmup_steps", size)
     dtype = _running_stats.statistics_dtype(params)
-    norms = None
+    kept = (None, None)
     if leaf_norms:
-      norms = _leaf_stats.zeros(fn, params, _core.layers(layer_axis), dtype)[0]
-    return ZClipState.fresh(dtype, length, norms)
+      kept = _leaf_stats.zeros(fn, params, _core.layers(layer_axis), dtype)
+    return ZClipState.fresh(dtype, length, *kept)
 
   settings = {"alpha": alpha, "z_thresh": z_thresh,
               "max_grad_norm": max_grad_norm, "eps": eps, "mode": mode,
               "clip_option": clip_option, "clip_factor": clip_factor,
-              "skip_update_on_spike": skip_update_on_spike}
+              "skip_update_on_spike": skip_update_on_spike,
+              "max_consecutive_spikes": max_consecutive_spikes}
 
   def update_fn(updates, state, params=None):
     del params
     _validation.check_update(fn, updates, state, ZClipState)
     measured = _core.measure(fn, updates, 2, where, kept)
-    norm = measured.total
-    norms = measured.tree() if leaf_norms else None
     dtype = state.mean.dtype  # the statistics' (see init), every step
-    factor, new_state = step(state, norm.astype(dtype), **settings)
-    new_state = new_state._replace(
-        leaf_norms=jax.tree.map(lambda n: n.astype(dtype), norms))
+    factor, new_state = step(state, measured.total.astype(dtype), **settings)
+    if leaf_norms:
+      norms, stacks = _leaf_stats.measured(measured, dtype)
+      new_state = new_state._replace(leaf_norms=norms, stack_norms=stacks)
     return _scaling.scale_leaves(updates, factor), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -6,12 +6,15 @@ warm-up, then per-tensor clipping at ``lambda_rel * gamma_i`` with an EMA of
 the clipped norms. Run with ``-s`` to see the largest relative differences.
 """
 
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from outliers import (
   SPIKE,
   assert_finite,
@@ -23,6 +26,7 @@ from outliers import (
 )
 from test_autoclip import STEPS, Largest, f64_leaves
 from test_contract import tree_like, warm
+from test_skip import CHECKED, adversarial, longest_run
 
 import optaxclip as oc
 from optaxclip._adagc import adagc
@@ -344,3 +348,97 @@ def test_layer_axis_with_inject_hyperparams_as_a_static_arg():
     injected_out, injected_state = jax.jit(injected.update)(tree, injected_state)
     jax.tree.map(np.testing.assert_array_equal, out, injected_out)
   np.testing.assert_array_equal(injected_state.inner_state.gamma, state.gamma)
+
+
+# --------------------------------------------------------------------------
+# Guards never stall (docs/guards.md): no finite sequence sets the
+# thresholds so low that the ordinary steps are clipped for thousands of
+# steps.
+
+def ripple_steps(steps, first=1.0, shift_at=None, shift=1.0):
+  """Tensors "b" (norm ~0.5) and "w" (~1) with a 10% ripple; the first step
+  times ``first``, and "w" times ``shift`` from ``shift_at`` on."""
+  t = np.arange(steps)
+  b = 0.5 * (1 + 0.1 * np.cos(t))
+  w = 1 + 0.1 * np.sin(t)
+  b[0] *= first
+  w[0] *= first
+  if shift_at is not None:
+    w[shift_at:] *= shift
+  return {"b": jnp.asarray(b[:, None] * np.array([1.0, 0.0]), jnp.float32),
+          "w": jnp.asarray(w[:, None] * np.array([1.0, 0.0, 0.0]), jnp.float32)}
+
+
+@pytest.mark.parametrize("warmup", [100, 6, 2, 1])
+@pytest.mark.parametrize("first", [1e-6, 1e-30])
+def test_a_tiny_first_global_norm_does_not_set_the_thresholds(warmup, first):
+  """The report: every later warm-up step was kept out as an outlier
+  against the tiny first one, and the per-tensor thresholds then rose
+  0.1% a step: ~log(1e6) / 0.001 steps of over-clipping. Now the running
+  minimum starts again after 3 outliers in a row, and after the warm-up a
+  tensor clipped more than 100-fold 3 steps in a row restarts its gamma."""
+  steps = 300
+  run = scan_of(adagc(warmup_steps=warmup))
+  updates, states = run(ripple_steps(steps, first))
+  _, clean = run(ripple_steps(steps))
+  norms = np.stack([np.linalg.norm(np.asarray(updates[k]), axis=1)
+                    for k in ("b", "w")], 1)
+  raw = np.stack([0.5 * (1 + 0.1 * np.cos(np.arange(steps))),
+                  1 + 0.1 * np.sin(np.arange(steps))], 1)
+  factors = norms[warmup:] / raw[warmup:]
+  assert np.sum(factors < 0.01) <= 2 * 2, np.argwhere(factors < 0.01)
+  ratio = np.asarray(states.gamma / clean.gamma)[warmup + 3:]
+  assert np.all((ratio > 0.5) & (ratio < 2)), ratio
+
+
+def test_a_lasting_rise_of_one_tensor_is_not_clipped_100_fold_for_ever():
+  """A tensor whose norm rises 1e6-fold for good: 2 steps clipped by
+  1e-6, then its threshold restarts from its norm (the paper's gamma would
+  take log(1e6) / 0.001 steps to catch up)."""
+  steps = 200
+  updates, states = scan_of(adagc(warmup_steps=20))(
+      ripple_steps(steps, shift_at=100, shift=1e6))
+  w = np.linalg.norm(np.asarray(updates["w"], np.float64), axis=1)
+  raw = (1 + 0.1 * np.sin(np.arange(steps))) * np.where(
+      np.arange(steps) >= 100, 1e6, 1.0)
+  factor = w / raw
+  assert np.flatnonzero(factor < 0.01).tolist() == [100, 101]
+  assert np.all(factor[102:] > 0.5)
+
+
+@functools.cache
+def pure_adagc_run():
+  """``_adagc.step`` alone over two tensors' norms (traced settings)."""
+  from optaxclip import _adagc
+
+  @jax.jit
+  def run(norms, warmup):
+    def body(state, n):
+      top = jnp.maximum(jnp.max(n), jnp.finfo(n.dtype).tiny)  # no overflow
+      norm = top * jnp.sqrt(jnp.sum(jnp.square(n / top)))
+      factors, state = _adagc.step(state, n, norm, lambda_abs=1.0,
+                                   lambda_rel=1.05, beta=0.98,
+                                   warmup_steps=warmup, eps=0.0)
+      return state, (factors, state)
+    return jax.lax.scan(body, _adagc.AdaGCState.fresh(jnp.float32, 2),
+                        norms)[1]
+
+  return run
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)
+@given(w=adversarial(), b=adversarial(), warmup=st.sampled_from([1, 2, 3, 6]))
+def test_no_finite_sequence_sets_the_thresholds_for_good(w, b, warmup):
+  """Adversarial norms for each tensor (test_skip.adversarial): after the
+  warm-up no tensor is clipped more than 100-fold 3 steps in a row, the
+  final level's last steps are clipped at most 100-fold, and the spike
+  after it is clipped."""
+  norms = np.stack([w[0], 0.5 * b[0]], 1)
+  factors, states = pure_adagc_run()(jnp.asarray(norms, jnp.float32), warmup)
+  factors = np.asarray(factors)
+  assert_finite(states.gamma, states.norm_min, states.norm)
+  for i in range(2):
+    over = factors[warmup:, i] < 1 / 100
+    assert longest_run(over) <= 2, (i, np.flatnonzero(over) + warmup)
+    assert np.all(factors[-1 - CHECKED:-1, i] >= 1 / 100), i
+    assert factors[-1, i] < 1, "the spike after the final level was not clipped"

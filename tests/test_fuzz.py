@@ -1034,3 +1034,89 @@ def test_clipper_before_loss_scale_is_rejected_or_correct(name):
     true = jax.tree.map(lambda g: g * 1.5, true)
     scaled = jax.tree.map(lambda g: g * oc.loss_scale(state), true)
     updates, state = tx.update(scaled, state, params)
+
+
+# ---------------------------------------------------------------------------
+# Guards never stall (docs/guards.md): random steps of every kind, including
+# lasting level shifts up and down, through the guards (one compile each):
+# the statistics stay finite, NaN/Inf steps are counted exactly, at most
+# the bound of finite steps is skipped (cut) in a row, and a clean tail at
+# the last level is trained on again.
+
+GUARD_KINDS = ["ok", "ok", "nan", "inf", "spike", "tiny", "zero", "up", "down"]
+GUARD_TAIL = 12  # clean steps at the last level
+
+
+def _longest_run(flags) -> int:
+  best = run = 0
+  for flag in flags:
+    run = run + 1 if flag else 0
+    best = max(best, run)
+  return best
+
+
+def _guard_norms(kinds):
+  """Norms for the kinds: "up"/"down" shift the level x1e3 / x1e-3 for good."""
+  level, norms = 1.0, []
+  for t, kind in enumerate(kinds):
+    level *= {"up": 1e3, "down": 1e-3}.get(kind, 1.0)
+    ripple = level * (1 + 0.01 * math.sin(t))
+    norms.append({"nan": math.nan, "inf": math.inf, "spike": 1e6 * level,
+                  "tiny": 1e-30 * level, "zero": 0.0}.get(kind, ripple))
+  return np.asarray(norms), level
+
+
+GUARDS = {
+    "skip_step": lambda: oc.skip_step(optax.sgd(1.0), zscore=6.0, loss_zscore=6.0,
+                                      warmup_steps=2),
+    "skip_step window": lambda: oc.skip_step(
+        optax.sgd(1.0), zscore=6.0, loss_zscore=6.0, window=8, warmup_steps=2,
+        two_sided=True),
+    "skip_step update": lambda: oc.skip_step(
+        optax.sgd(1.0, momentum=0.5), update_zscore=6.0, warmup_steps=2),
+    "zclip": lambda: oc.zclip(warmup_steps=2, max_grad_norm=None),
+    "adagc": lambda: oc.adagc(warmup_steps=2),
+}
+
+
+@functools.cache
+def guard_run(name: str):
+  tx = GUARDS[name]()
+  direction = {"w": jnp.asarray([0.6, -0.8]), "b": jnp.asarray([1.0])}
+
+  def step(state, x):
+    norm, loss = x
+    grads = {"w": direction["w"] * norm, "b": direction["b"] * norm}
+    extra = {"loss": loss} if name.startswith("skip_step") else {}
+    updates, state = tx.update(grads, state, grads, **extra)
+    moved = updates["w"][0] / grads["w"][0]
+    return state, (state, moved, oc.stats(state))
+
+  return jax.jit(lambda n, losses: jax.lax.scan(step, tx.init(direction), (n, losses))[1])
+
+
+@pytest.mark.parametrize("name", list(GUARDS))
+@fuzz_settings(25)
+@given(kinds=st.lists(st.sampled_from(GUARD_KINDS), min_size=20, max_size=20),
+       loss_offset=st.sampled_from([0.0, -5.0]))
+def test_guards_never_stall_on_random_steps(name, kinds, loss_offset):
+  norms, level = _guard_norms(kinds)
+  tail = level * (1 + 0.01 * np.sin(np.arange(len(norms), len(norms) + GUARD_TAIL)))
+  norms = np.concatenate([norms, tail])
+  _, moved, found = guard_run(name)(jnp.asarray(norms, jnp.float32),
+                                    jnp.asarray(norms + loss_offset, jnp.float32))
+  found = jax.tree.map(np.asarray, found)
+  for key, values in found.items():
+    if key.endswith(("mean", "var", "std")):
+      assert np.all(np.isfinite(values)), key
+  finite = np.isfinite(norms)
+  key = next(k for k in found if k.endswith("/nonfinite_count"))
+  np.testing.assert_array_equal(found[key], np.cumsum(~finite))
+  moved = np.asarray(moved)
+  ordinary = np.asarray([k not in ("nan", "inf", "zero", "tiny") for k in kinds]
+                        + [True] * GUARD_TAIL)
+  warm = np.cumsum(finite) <= 2  # adagc's warm-up clips globally, by design
+  held = {"zclip": moved < 1 - 1e-5,
+          "adagc": (moved < 0.01) & ~warm}.get(name, moved == 0) & ordinary
+  bound = 2 if name == "adagc" else 4
+  assert _longest_run(held) <= bound, (" ".join(kinds), np.flatnonzero(held))

@@ -18,12 +18,13 @@ CLIP_KEYS = {"norm", "scale", "count", "clipped_count", "nonfinite_count",
              "clip_rate"}
 ZCLIP_KEYS = {"norm", "mean", "std", "z", "threshold", "scale", "count",
               "clipped_count", "spike_count", "nonfinite_count", "clip_rate"}
-SKIP_KEYS = {"norm", "count", "skipped_count", "nonfinite_count",
-             "max_norm_count", "zscore_count", "ema_count", "norm_mean",
+SKIP_KEYS = {"norm", "count", "skipped_count", "forced_count",
+             "nonfinite_count", "max_norm_count", "zscore_count", "ema_count", "norm_mean",
              "norm_var", "norm_std", "skip_rate", "skipped_by_norm",
              "skipped_by_loss", "loss", "loss_zscore", "loss_zscore_count",
              "loss_nonfinite_count", "loss_ema_count", "loss_mean", "loss_var",
-             "loss_std"}
+             "loss_std", "update_norm", "update_mean", "update_std",
+             "update_zscore_count", "skipped_by_update"}
 
 
 def keys(prefix, fields):

@@ -263,3 +263,165 @@ def test_accumulation_drops_bad_micro_batches_only(name):
   good = int(np.sum(~np.isin(schedule(name), list(NONFINITE))))
   assert gradient_steps(state) == good // ACCUMULATE
   assert adam_count(state) == good // ACCUMULATE
+
+
+# ---------------------------------------------------------------------------
+# Guards never stall (docs/guards.md): the step guards over thousands of
+# steps of a synthetic norm and loss with NaN, Inf, spikes and lasting level
+# shifts, each guard under one lax.scan. Counters are exact, the statistics
+# finite, no more than the documented bound of ordinary steps is skipped
+# (or cut) in a row, and every spike is still caught.
+
+GUARD_STEPS = 3000
+LEVEL_SHIFTS = {600: 10.0, 1200: 0.1, 1800: 1e3, 2400: 1e-2}  # step -> factor
+SETTLE = 40  # steps after a shift without spikes (the guards relearn)
+
+
+@functools.cache
+def guard_data(seed: int = 0):
+  """Per step: the kind ("ok", "nan", "inf", "spike"), a norm and a loss
+  (5% noise on a level that shifts for good at LEVEL_SHIFTS, spikes 1e3
+  times it), and the mask of steps far from the start and the shifts."""
+  rng = np.random.default_rng(seed)
+  steps = np.arange(GUARD_STEPS)
+  level = np.ones(GUARD_STEPS)
+  for at, factor in LEVEL_SHIFTS.items():
+    level[at:] *= factor
+  draw = rng.random(GUARD_STEPS)
+  kinds = np.where(draw < 0.01, "nan", np.where(draw < 0.015, "inf", np.where(
+      draw < 0.025, "spike", "ok"))).astype(object)
+  settled = steps >= 200
+  for at in LEVEL_SHIFTS:
+    settled &= (steps < at) | (steps >= at + SETTLE)
+  kinds[~settled & (kinds == "spike")] = "ok"
+  values = {}
+  for name, offset in (("norm", 0.0), ("loss", 2.0)):
+    v = level * (1 + 0.05 * rng.standard_normal(GUARD_STEPS))
+    v[kinds == "spike"] *= 1e3
+    v[kinds == "nan"] = np.nan
+    v[kinds == "inf"] = np.inf
+    values[name] = v + offset * level
+  return kinds, values, settled
+
+
+def _longest_run(flags) -> int:
+  best = run = 0
+  for flag in flags:
+    run = run + 1 if flag else 0
+    best = max(best, run)
+  return best
+
+
+@functools.cache
+def guard_soak(name: str):
+  """Each step's state of the guard ``name`` over guard_data()."""
+  kinds, values, _ = guard_data()
+  norms = jnp.asarray(values["norm"], jnp.float32)
+  losses = jnp.asarray(values["loss"], jnp.float32)
+  direction = {"w": jnp.asarray([0.6, -0.8]), "b": jnp.asarray([1.0])}
+  tx = {"skip_step": oc.skip_step(optax.sgd(0.1), zscore=6.0, loss_zscore=6.0),
+        "skip_step window": oc.skip_step(optax.sgd(0.1), zscore=6.0,
+                                         loss_zscore=6.0, window=128),
+        "skip_step update": oc.skip_step(optax.sgd(0.1), update_zscore=6.0,
+                                         loss_zscore=6.0, window=128),
+        "zclip": oc.zclip(max_grad_norm=None),
+        "adagc": oc.adagc(warmup_steps=100)}[name]
+
+  def step(state, x):
+    norm, loss = x
+    grads = {"w": direction["w"] * norm, "b": direction["b"] * 0.5 * norm}
+    extra = {"loss": loss} if name.startswith("skip_step") else {}
+    updates, state = tx.update(grads, state, grads, **extra)
+    return state, (state, jnp.abs(updates["w"][0]) / jnp.abs(grads["w"][0]))
+
+  run = jax.jit(lambda n, losses: jax.lax.scan(step, tx.init(direction), (n, losses))[1])
+  states, factors = run(norms, losses)
+  return jax.tree.map(np.asarray, states), np.asarray(factors)
+
+
+def _marks(counter) -> np.ndarray:
+  return np.diff(np.concatenate([[0], counter])) > 0
+
+
+def _exact_skip_counters(stats, kinds):
+  """The counters of skip_step agree with each other at every step: a
+  finite step the guards would skip is skipped or let through (forced)."""
+  bad = np.isin(kinds, ["nan", "inf"])
+  np.testing.assert_array_equal(_marks(stats.nonfinite_count), bad)
+  np.testing.assert_array_equal(_marks(stats.loss_nonfinite_count), bad)
+  skipped = _marks(stats.skipped_count)
+  np.testing.assert_array_equal(
+      skipped, stats.skipped_by_norm | stats.skipped_by_loss | stats.skipped_by_update)
+  would = (_marks(stats.zscore_count) | _marks(stats.loss_zscore_count)
+           | _marks(stats.update_zscore_count))
+  np.testing.assert_array_equal(_marks(stats.forced_count), would & ~skipped & ~bad)
+  assert skipped[bad].all()
+  assert _longest_run(skipped & ~bad) <= 4
+  return skipped, bad
+
+
+@pytest.mark.parametrize("name", ["skip_step window", "skip_step update"])
+def test_skip_step_windows_never_stall_over_thousands_of_steps(name):
+  """Window mode (OLMo-core's rule) and the update-norm guard: exact
+  counters, finite statistics, at most 4 finite skips in a row. (A window
+  keeps every spike: several in one window hide the next, as theirs do.)"""
+  kinds, values, settled = guard_data()
+  states, _ = guard_soak(name)
+  stats = states.stats
+  for running in (stats.norm_stats, stats.loss_stats, stats.update_stats):
+    for x in (running.mean, running.var, running.window):
+      assert np.all(np.isfinite(x))
+  skipped, _ = _exact_skip_counters(stats, kinds)
+  assert np.mean(skipped[kinds == "spike"]) > 0.9
+  assert np.mean(skipped[settled & (kinds == "ok")]) < 0.005
+  if name == "skip_step update":  # the update's norm is lr times the norm
+    np.testing.assert_allclose(stats.update_norm[kinds == "ok"],
+                               0.1 * values["norm"][kinds == "ok"] * np.sqrt(1.25),
+                               rtol=1e-5)
+    assert stats.skipped_by_update[kinds == "spike"].mean() > 0.9
+
+
+def test_skip_step_never_stalls_over_thousands_of_steps():
+  kinds, values, settled = guard_data()
+  states, _ = guard_soak("skip_step")
+  stats = states.stats
+  _exact_skip_counters(stats, kinds)
+  for running in (stats.norm_stats, stats.loss_stats):
+    assert np.all(np.isfinite(running.mean)) and np.all(np.isfinite(running.var))
+  bad = np.isin(kinds, ["nan", "inf"])
+  np.testing.assert_array_equal(_marks(stats.nonfinite_count), bad)
+  np.testing.assert_array_equal(_marks(stats.loss_nonfinite_count), bad)
+  skipped = _marks(stats.skipped_count)
+  np.testing.assert_array_equal(skipped, stats.skipped_by_norm | stats.skipped_by_loss)
+  assert skipped[bad].all() and skipped[kinds == "spike"].all()
+  # Ordinary steps are skipped only at the level shifts, at most 4 in a row.
+  ordinary = skipped & (kinds == "ok")
+  assert _longest_run(skipped & ~bad) <= 4
+  assert not ordinary[settled].any(), np.flatnonzero(ordinary & settled)
+  assert int(stats.forced_count[-1]) == int(np.sum(_marks(stats.forced_count)))
+  assert int(stats.forced_count[-1]) >= 2  # the two rises were let through
+  final = np.prod(list(LEVEL_SHIFTS.values()))  # the last level
+  assert 0.5 < stats.norm_stats.mean[-1] / final < 2
+
+
+def test_zclip_never_stalls_over_thousands_of_steps():
+  kinds, _, settled = guard_data()
+  states, factors = guard_soak("zclip")
+  assert np.all(np.isfinite(states.mean)) and np.all(np.isfinite(states.var))
+  bad = np.isin(kinds, ["nan", "inf"])
+  np.testing.assert_array_equal(_marks(states.nonfinite_count), bad)
+  cut = np.asarray(states.scale) < 1
+  assert cut[kinds == "spike"].all()
+  assert _longest_run(cut & ~bad) <= 4
+  assert np.mean(cut[settled & (kinds == "ok")]) < 0.02  # z > 2.5: rare
+
+
+def test_adagc_never_stalls_over_thousands_of_steps():
+  kinds, _, settled = guard_data()
+  states, factors = guard_soak("adagc")
+  assert np.all(np.isfinite(states.gamma))
+  bad = np.isin(kinds, ["nan", "inf"])
+  np.testing.assert_array_equal(_marks(states.nonfinite_count), bad)
+  assert np.all(factors[kinds == "spike"] < 0.01)
+  after = np.arange(GUARD_STEPS) >= 100
+  assert _longest_run(after & ~bad & (factors < 0.01) & (kinds == "ok")) <= 2

@@ -8,11 +8,15 @@ norms in a list (clipped by ``torch.nn.utils.clip_grad_norm_`` at
 relative differences.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from outliers import (
   assert_finite,
   gradients_through_updates,
@@ -24,6 +28,7 @@ from outliers import (
 )
 from test_autoclip import Largest, f64_leaves, gradient_steps, norm_sequence
 from test_contract import tree_like, warm
+from test_skip import CHECKED, TAIL, adversarial, longest_run
 
 import optaxclip as oc
 from optaxclip._zclip import zclip
@@ -252,3 +257,70 @@ def test_step_is_the_transforms_statistics_update():
     np.testing.assert_array_equal(updates["w"], np.array([g, 0.0], np.float32) * factor)
     for got, want in zip(state, expected):
       np.testing.assert_array_equal(got, want)
+
+
+# --------------------------------------------------------------------------
+# Guards never stall (docs/guards.md): a lasting rise is cut at most
+# max_consecutive_spikes times in a row, then let through and learned.
+
+@pytest.mark.parametrize("skip_update_on_spike", [False, True])
+@pytest.mark.parametrize("factor", [10.0, 1e6])
+def test_a_lasting_rise_is_cut_at_most_max_consecutive_spikes_times(
+    skip_update_on_spike, factor):
+  """The reference cuts every later norm for ever: its EMA is fed the
+  threshold (about its mean), or nothing with skip_update_on_spike."""
+  norms = 1 + 0.01 * np.sin(np.arange(300))
+  norms[100:] *= factor
+  tx = zclip(max_grad_norm=None, skip_update_on_spike=skip_update_on_spike)
+  _, states = scan_of(tx)(trees_with_norms(norms))
+  cut = np.flatnonzero(np.asarray(states.scale) < 1)
+  assert cut.tolist() == [100, 101, 102, 103]
+  assert int(states.spike_count[-1]) == 4
+  np.testing.assert_allclose(states.mean[-1], norms[-1], rtol=0.02)
+  # None: the reference's rule.
+  _, states = scan_of(zclip(max_grad_norm=None, max_consecutive_spikes=None,
+                            skip_update_on_spike=skip_update_on_spike))(
+      trees_with_norms(norms))
+  assert np.all(np.asarray(states.scale)[100:] < 1)
+
+
+@functools.cache
+def pure_zclip_run(warmup, skip_update_on_spike, mode):
+  """``_zclip.step`` alone over a sequence of norms (traced bound)."""
+  from optaxclip import _zclip
+  settings = {"alpha": 0.97, "z_thresh": 2.5, "max_grad_norm": None,
+              "eps": 1e-6, "mode": mode, "clip_option": "adaptive_scaling",
+              "clip_factor": 1.0, "skip_update_on_spike": skip_update_on_spike}
+
+  @jax.jit
+  def run(norms, bound):
+    def body(state, norm):
+      factor, state = _zclip.step(state, norm, max_consecutive_spikes=bound,
+                                  **settings)
+      return state, (factor, state)
+    return jax.lax.scan(body, _zclip.ZClipState.fresh(jnp.float32, warmup),
+                        norms)[1]
+
+  return run
+
+
+@pytest.mark.parametrize("skip_update_on_spike, mode", [
+    (False, "zscore"), (True, "zscore"), (False, "percentile")])
+@settings(max_examples=40, deadline=None, derandomize=True, database=None)
+@given(case=adversarial(), warmup=st.sampled_from([1, 2, 5]),
+       bound=st.sampled_from([1, 2, 4]))
+def test_no_finite_sequence_stalls_zclip(skip_update_on_spike, mode, case,
+                                         warmup, bound):
+  """Adversarial sequences (test_skip.adversarial) ending at a final level
+  of exact repeats: at most ``bound`` norms cut in a row, the final level
+  passes again, and a spike after it is still cut."""
+  values, _ = case
+  values = values.copy()
+  values[-1 - TAIL // 2:-1] = values[-2]  # exact repeats (no ripple)
+  factors, states = pure_zclip_run(warmup, skip_update_on_spike, mode)(
+      jnp.asarray(values, jnp.float32), bound)
+  cut = np.asarray(factors) < 1
+  assert_finite(states.mean, states.var, states.warmup_norms)
+  assert longest_run(cut) <= bound, np.flatnonzero(cut)
+  assert not cut[-1 - CHECKED:-1].any(), np.flatnonzero(cut)
+  assert cut[-1], "the spike after the final level was not cut"
