@@ -93,7 +93,7 @@ def percentile_of_prefix(values: jax.Array, size: jax.Array,
 
 def auto_clip(percentile: Scalar = 10.0, *, history: int = 1000,
               eps: Scalar = 1e-6, axis_name: AxisName = None,
-              specs: PyTree = None) -> optax.GradientTransformation:
+              specs: PyTree = None) -> optax.GradientTransformationExtraArgs:
   """Clips to a percentile of the gradient norms seen so far (AutoClip).
 
   Each step appends the global L2 norm ``g`` of the updates to the
@@ -146,10 +146,10 @@ def auto_clip(percentile: Scalar = 10.0, *, history: int = 1000,
     length = _validation.require_buffer_size(fn, "history", size)
     return AutoClipState.fresh(_running_stats.statistics_dtype(params), length)
 
-  def update_fn(updates, state, params=None):
-    del params
+  def update_fn(updates, state, params=None, *, grad_norm=None, **extra_args):
+    del params, extra_args
     _validation.check_update(fn, updates, state, AutoClipState)
-    norm = _core.measure(fn, updates, 2, where).total
+    norm = _core.measure(fn, updates, 2, where, given=grad_norm).total
     dtype = state.norms.dtype  # the statistics' (see init), every step
     seen = _running_stats.to_statistics(norm, dtype)
     finite = jnp.isfinite(norm)
@@ -172,4 +172,4 @@ def auto_clip(percentile: Scalar = 10.0, *, history: int = 1000,
         **_counters.step_counts(state, finite=finite, clipped=factor < 1))
     return _scaling.scale_leaves(updates, factor), new_state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -153,6 +153,7 @@ def group_clipper(fn: str, max_norm, p, eps, where: _core.Where,
     labels = dict.fromkeys(leaf_labels(fn, params, groups))
     for label in labels:
       limit_of(fn, max_norm, label)
+    _core.unit_shapes(fn, params, layers)  # a layer axis that fits, or an error
     kept = _leaf_stats.zeros(fn, params, layers, dtype) if leaf_norms else ()
     return GroupClipState({label: ClipState.fresh(dtype) for label in labels},
                           *kept)

@@ -145,17 +145,29 @@ def loss_scale(opt_state: optax.OptState) -> jax.Array:
   return found[0].scale
 
 
-def unscale(updates: PyTree, state: LossScaleState, *,
-            axis_name: AxisName = None) -> tuple[PyTree, jax.Array]:
-  """The updates divided by the scale (zeros on an overflow), and whether
-  they were finite."""
+def unscale(updates: PyTree, state: LossScaleState, where: _core.Where,
+            given: Any = None) -> tuple[PyTree, jax.Array, _core.KnownNorm]:
+  """The updates divided by the scale (zeros on an overflow), whether they
+  were finite, and their norm, for a clipper inside to take.
+
+  Judged from the norm of the scaled updates divided by the scale
+  (overflow-safe: Inf or NaN exactly when an unscaled entry is, or when the
+  norm itself is beyond the float range): one read, which a ``skip_step``
+  outside may have made already (``given``), and no copy of the unscaled
+  updates (measured: taking the norm of the unscaled ones costs 2 passes).
+  """
+  measured = _core.measure("dynamic_loss_scale", updates, 2, where,
+                           given=given)
+  norm = measured.total / state.scale.astype(measured.total.dtype)
+  finite = jnp.isfinite(norm)
   # A multiply by 1/scale: exact for powers of two, and each leaf keeps its
-  # dtype (half precision is unscaled in float32 and rounded once).
-  unscaled = _scaling.scale_leaves(updates, 1 / state.scale)
-  # Judged after unscaling: that is what the optimizer would see.
-  finite = _core.all_finite(unscaled, axis_name=axis_name)
-  # Zeros rather than Inf/NaN: nothing after the loss scaling sees them.
-  return _scaling.zero_unless(finite, unscaled), finite
+  # dtype (half precision is unscaled in float32 and rounded once). Zeros
+  # rather than Inf/NaN: nothing after the loss scaling sees them.
+  unscaled = _scaling.zero_unless(
+      finite, _scaling.scale_leaves(updates, 1 / state.scale))
+  known = _core.KnownNorm(jnp.where(finite, norm, 0), 2, where,
+                          tuple(_tree.clippable_leaves(unscaled)))
+  return unscaled, finite, known
 
 
 def _accumulator(fn: str, params: PyTree) -> PyTree:
@@ -349,7 +361,7 @@ def dynamic_loss_scale(
   raise_at_min = _validation.check_bool(fn, "raise_error_at_min_scale",
                                         raise_error_at_min_scale)
   k = _windows(fn, every_k_steps, inner)
-  _validation.check_axis_name(fn, axis_name)
+  where = _core.Where.of(fn, axis_name)
   wrapped = None if inner is None else optax.with_extra_args_support(inner)
 
   def init_fn(params):
@@ -363,11 +375,11 @@ def dynamic_loss_scale(
     accumulated = None if k is None else _accumulator(fn, params)
     return LossScaleWrapperState(state, inner_state, accumulated)
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def update_fn(updates, state, params=None, *, grad_norm=None, **extra_args):
     _validation.check_update(fn, updates, state, LossScaleState if wrapped is None
                              else LossScaleWrapperState)
     old = state if wrapped is None else state.loss_scale
-    unscaled, finite = unscale(updates, old, axis_name=axis_name)
+    unscaled, finite, known = unscale(updates, old, where, grad_norm)
     new, grads, accumulated, step, at_floor = _advance(
         old, finite, unscaled, None if wrapped is None else state.accumulated,
         schedule, k)
@@ -375,6 +387,8 @@ def dynamic_loss_scale(
       raise_at_floor(fn, at_floor, old.scale)
     if wrapped is None:
       return grads, new
+    if k is None:  # a clipper inside takes the norm (a window: its sum's)
+      extra_args = {**extra_args, "grad_norm": known}
     new_updates, new_inner = wrapped.update(grads, state.inner_state,
                                             params, **extra_args)
     # Selected on the device (no host sync): an overflow drops the step.

@@ -50,6 +50,8 @@ def _raise_if_bad(fn: str, paths: tuple[str, ...], norm, leaf_ok) -> None:
 def raise_if_nonfinite(fn: str, tree: PyTree, norm: jax.Array) -> None:
   """Raises ``NonFiniteGradientError`` when ``norm`` is NaN or Inf."""
   with_paths = _tree.clippable_leaves_with_paths(tree)
+  if not with_paths:
+    return  # no floating leaf: nothing to be NaN
   paths = tuple(path for path, _ in with_paths)
 
   def leaf_ok():

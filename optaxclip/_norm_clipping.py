@@ -28,9 +28,11 @@ class _Clipped(NamedTuple):
 
 
 def _clip_each(fn: str, tree: PyTree, max_norm, p, eps, where: _core.Where,
-               kept: _core.Kept) -> _Clipped:
+               kept: _core.Kept, given=None) -> _Clipped:
   """Every leaf (or, with layers kept, every layer slice) clipped by its
-  own norm; the factors are computed once, for every device's units."""
+  own norm; the factors are computed once, for every device's units
+  (``given``, a global norm, plays no part)."""
+  del given
   measured = _core.measure(fn, tree, p, where, kept)
   factors = _scaling.clip_factor(measured.units, max_norm, eps)
   clipped = _scaling.scale_leaves(tree, measured.to_leaves(factors))
@@ -39,10 +41,11 @@ def _clip_each(fn: str, tree: PyTree, max_norm, p, eps, where: _core.Where,
 
 
 def _clip_global(fn: str, tree: PyTree, max_norm, p, eps, where: _core.Where,
-                 kept: _core.Kept) -> _Clipped:
+                 kept: _core.Kept, given=None) -> _Clipped:
   """The tree clipped by its global norm (``kept``: the leaf norms to keep
-  from the same pass, or ``TOTAL``)."""
-  measured = _core.measure(fn, tree, p, where, kept)
+  from the same pass, or ``TOTAL``; ``given``: a norm measured upstream)."""
+  measured = _core.measure(fn, tree, p, where, kept,
+                           given=given if kept is _core.TOTAL else None)
   factor = _scaling.clip_factor(measured.total, max_norm, eps)
   return _Clipped(_scaling.scale_leaves(tree, factor), measured.total, factor,
                   measured)
@@ -165,8 +168,11 @@ def clip_by_global_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
 
 def _norm_clipper(fn: str, max_norm, p, eps, where: _core.Where,
                   nonfinite: NonFinite, *, per_leaf: bool, leaf_norms: bool,
-                  layer_axis: PyTree) -> optax.GradientTransformation:
-  """The transform: measure -> factor -> scale -> state (``ClipState``)."""
+                  layer_axis: PyTree) -> optax.GradientTransformationExtraArgs:
+  """The transform: measure -> factor -> scale -> state (``ClipState``).
+  ``update(..., grad_norm=...)``: the global norm of these updates,
+  measured beforehand (a number, or passed on by ``skip_step`` and
+  ``dynamic_loss_scale``): nothing is read to measure it again."""
   _validation.check_choice(fn, "nonfinite", nonfinite, _nonfinite.MODES)
   _validation.check_bool(fn, "leaf_norms", leaf_norms)
   layers = _core.layers(_validation.check_layer_axis(fn, layer_axis))
@@ -174,15 +180,16 @@ def _norm_clipper(fn: str, max_norm, p, eps, where: _core.Where,
   kept = layers if per_leaf or leaf_norms else _core.TOTAL
 
   def init_fn(params):
+    _core.unit_shapes(fn, params, layers)  # a layer axis that fits, or an error
     return init_clip_state(fn, params, kept=layers if leaf_norms else None)
 
-  def update_fn(updates, state, params=None):
-    del params
+  def update_fn(updates, state, params=None, *, grad_norm=None, **extra_args):
+    del params, extra_args
     if state is None:  # stateless use, as optax's clippers allow
       state = init_fn(updates)
     _validation.check_state(fn, state, ClipState)
     _validation.check_tree(fn, "the tree", updates)
-    clipped = clip(fn, updates, max_norm, p, eps, where, kept)
+    clipped = clip(fn, updates, max_norm, p, eps, where, kept, grad_norm)
     finite = jnp.isfinite(clipped.norm)
     out, factor = clipped.tree, clipped.factor
     if nonfinite != "propagate":
@@ -194,7 +201,7 @@ def _norm_clipper(fn: str, max_norm, p, eps, where: _core.Where,
     return out, state.after(clipped.norm, factor, finite=finite,
                             measured=clipped.measured if leaf_norms else None)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def clip_by_norm(max_norm: Scalar, *, ord: Ord = 2, eps: Scalar = 0.0,

@@ -8,6 +8,7 @@ statistics, their modes and their bounds: ``_spike_stats``,
 ``_skip_stats`` and docs/guards.md.
 """
 
+import functools
 import math
 import numbers
 from typing import Any, NamedTuple
@@ -20,7 +21,6 @@ import optax
 from optaxclip import _core, _leaf_stats, _placement, _running_stats, _scaling, _validation
 from optaxclip._skip_stats import MAX_CONSECUTIVE_SKIPS, SkipStats, step
 from optaxclip._types import AxisName, Ord, PyTree, Scalar
-
 
 __all__ = ["SkipState", "SkipStats", "skip_step", "step"]
 
@@ -153,7 +153,7 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
               layer_axis: PyTree = None,
               max_consecutive_skips: Scalar | None = MAX_CONSECUTIVE_SKIPS,
               window: Scalar | None = None, two_sided: bool = False,
-              update_zscore: Scalar | None = None, update_norm: bool = False
+              update_zscore: Scalar | None = None, update_norm: bool | None = None
               ) -> optax.GradientTransformationExtraArgs:
   """Skips whole optimizer steps on non-finite gradients, norm and loss spikes.
 
@@ -188,8 +188,8 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
     window: keep the last ``window`` values (an int >= 1), or None (EMAs).
     two_sided: test ``|value - mean|``: drops are spikes too.
     update_zscore: the update norm's threshold (>= 0), or None.
-    update_norm: measure the update's norm every step, for the statistics
-      (on with ``update_zscore``; off by default: a pass or more on XLA:CPU).
+    update_norm: measure the update's norm every step, for the statistics;
+      None: only with ``update_zscore`` (it costs passes on XLA:CPU).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -219,8 +219,12 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
                        max_consecutive_skips=max_consecutive_skips,
                        two_sided=two_sided)
   size = None if window is None else _window(fn, window, warmup_steps)
+  if update_norm is None:
+    update_norm = update_zscore is not None
   _validation.check_bool(fn, "update_norm", update_norm)
-  update_norm = update_norm or update_zscore is not None
+  if update_zscore is not None and not update_norm:
+    raise ValueError(f"`{fn}(update_zscore={update_zscore!r})` judges the "
+                     f"update's norm: leave update_norm=True (or None)")
   p = _validation.check_ord(fn, ord)
   where = _core.Where.of(fn, axis_name, specs)
   _validation.check_bool(fn, "leaf_norms", leaf_norms)
@@ -232,28 +236,47 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
     return _init(fn, inner, params, leaf_norms=leaf_norms,
                  layer_axis=layer_axis, window=length, update=update_norm)
 
-  def update_fn(updates, state, params=None, *, loss=None, **extra_args):
+  def update_fn(updates, state, params=None, *, loss=None, grad_norm=None,
+                **extra_args):
     _validation.check_update(fn, updates, state, SkipState)
     # NaN or Inf in any leaf and only then: the norm is overflow-safe, so
     # its finiteness is the gradients' (one pass for both questions).
     measured = _core.measure(fn, updates, p, where,
-                             layers if leaf_norms else _core.TOTAL)
+                             layers if leaf_norms else _core.TOTAL,
+                             given=None if leaf_norms else grad_norm)
     dtype = state.stats.norm.dtype  # the statistics' (see init), every step
     loss_scales = _placement.find_loss_scale_states(state.inner_state)
-    unscale = ((lambda n: (n / loss_scales[0].scale).astype(dtype))
-               if loss_scales  # the input is scaled: judge the unscaled
-               else (lambda n: n.astype(dtype)))
-    judged = None
+    scale = loss_scales[0].scale if loss_scales else None
+
+    def unscale(n):  # the input is scaled: judge the unscaled
+      return _running_stats.to_statistics(n if scale is None else n / scale,
+                                          dtype)
+
     if loss is not None:
-      judged = _checked_loss(fn, loss, dtype)
       extra_args = {**extra_args, "loss": loss}  # inner's too, as given
-    new_updates, new_inner = inner.update(updates, state.inner_state, params,
-                                          **extra_args)
-    proposed = None
-    if update_norm:
-      proposed = _core.measure(fn, new_updates, 2, where).total.astype(dtype)
-    skip, new_stats = step(state.stats, unscale(measured.total), loss=judged,
-                           update_norm=proposed, **settings)
+    judge = functools.partial(
+        step, state.stats, unscale(measured.total), **settings,
+        loss=None if loss is None else _checked_loss(fn, loss, dtype))
+    def inner_update(feed, grad_norm):
+      return inner.update(feed, state.inner_state, params, **extra_args,
+                          grad_norm=grad_norm)
+
+    if update_norm:  # the update's norm judged too: inner runs first
+      new_updates, new_inner = inner_update(
+          updates, grad_norm=measured.known())
+      proposed = _core.measure(fn, new_updates, 2, where).total
+      skip, new_stats = judge(update_norm=_running_stats.to_statistics(
+          proposed, dtype))
+    else:
+      skip, new_stats = judge()
+      # Zeros where the step is skipped: its result is dropped anyway, and
+      # XLA fuses the select into inner's pass (measured: the rollback then
+      # costs one read instead of three). A loss scale inside must see the
+      # overflow itself.
+      feed = updates if loss_scales else _scaling.zero_unless(~skip, updates)
+      # The clipper in `inner` takes this norm instead of reading again.
+      new_updates, new_inner = inner_update(
+          feed, grad_norm=measured.known(feed))
     if leaf_norms:
       norms, stacks = _leaf_stats.measured(measured, measured.total.dtype)
       new_stats = new_stats._replace(leaf_norms=jax.tree.map(unscale, norms),

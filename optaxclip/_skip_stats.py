@@ -90,13 +90,13 @@ class SkipStats(NamedTuple):
   loss_zscore: jax.Array
   loss_zscore_count: jax.Array
   loss_nonfinite_count: jax.Array
-  update_norm: jax.Array
-  update_zscore_count: jax.Array
-  skipped_by_update: jax.Array
+  update_norm: PyTree  # jax.Array, or None when not measured
+  update_zscore_count: PyTree
+  skipped_by_update: PyTree
   skip_streak: jax.Array
   norm_stats: Running
   loss_stats: Running
-  update_stats: Running | None
+  update_stats: PyTree  # Running, or None when not measured
   leaf_norms: PyTree = None
   stack_norms: PyTree = None
 
@@ -213,6 +213,7 @@ def _judge(stats: SkipStats, norm: jax.Array, loss: jax.Array | None,
     guards["loss"] = _guard(stats.loss_stats, loss, loss_zscore, signed=True,
                             **common)
   if update_norm is not None:
+    assert stats.update_stats is not None, "init with update=True"
     guards["update"] = _guard(stats.update_stats, update_norm, update_zscore,
                               **common)
   return guards
@@ -274,6 +275,7 @@ def step(stats: SkipStats, norm: jax.Array, *, nonfinite: bool,
         loss_nonfinite_count=count_if(~jnp.isfinite(guards["loss"].value),
                                       stats.loss_nonfinite_count))
   if "update" in guards:
+    assert stats.update_zscore_count is not None
     new = new._replace(
         skipped_by_update=by["update"] & ~release, update_norm=update_norm,
         update_stats=fed["update"], update_zscore_count=count_if(

@@ -342,10 +342,11 @@ def zclip(*, alpha: Scalar = 0.97, z_thresh: Scalar = 2.5,
               "skip_update_on_spike": skip_update_on_spike,
               "max_consecutive_spikes": max_consecutive_spikes}
 
-  def update_fn(updates, state, params=None):
-    del params
+  def update_fn(updates, state, params=None, *, grad_norm=None, **extra_args):
+    del params, extra_args
     _validation.check_update(fn, updates, state, ZClipState)
-    measured = _core.measure(fn, updates, 2, where, kept)
+    measured = _core.measure(fn, updates, 2, where, kept,
+                             given=None if leaf_norms else grad_norm)
     dtype = state.mean.dtype  # the statistics' (see init), every step
     factor, new_state = step(state, measured.total.astype(dtype), **settings)
     if leaf_norms:
@@ -353,4 +354,4 @@ def zclip(*, alpha: Scalar = 0.97, z_thresh: Scalar = 2.5,
       new_state = new_state._replace(leaf_norms=norms, stack_norms=stacks)
     return _scaling.scale_leaves(updates, factor), new_state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -10,6 +10,7 @@ any per-unit values (factors) laid back onto the leaves.
 import math
 import string
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +34,25 @@ from optaxclip._core._mesh import (
 )
 from optaxclip._core._norms import norm_of_leaves, unit_norms
 from optaxclip._core._sums import is_order, power, safe_root
-from optaxclip._types import PyTree
+from optaxclip._types import AxisName, Ord, PyTree, Scalar
+
+
+class KnownNorm(NamedTuple):
+  """A global norm measured upstream (by ``skip_step``,
+  ``dynamic_loss_scale``), with the order, the mesh and the very leaves
+  (the same tracers) it was taken of."""
+  total: jax.Array
+  p: float | jax.Array
+  where: Where
+  leaves: tuple[jax.Array, ...]
+
+  def of(self, leaves: list[jax.Array], p, where: Where) -> bool:
+    """Whether this is the ``p``-norm of exactly ``leaves``, on ``where``."""
+    if isinstance(p, jax.Array) or isinstance(self.p, jax.Array):
+      return False  # a traced order is never known to be the same
+    return bool(p == self.p and where == self.where
+                and len(leaves) == len(self.leaves)
+                and all(a is b for a, b in zip(leaves, self.leaves)))
 
 
 class Measured:
@@ -54,8 +73,8 @@ class Measured:
                shapes: list[tuple[int, ...]], keep: tuple[Keep, ...] | None,
                reduction: Reduction, total: jax.Array | None = None,
                everywhere: Sequence[jax.Array] = (),
-               here: Sequence[jax.Array] = ()):
-    self._tree, self._leaves, self._p = tree, leaves, p
+               here: Sequence[jax.Array] = (), where: Where = HERE):
+    self._tree, self._leaves, self._p, self._where = tree, leaves, p, where
     self.shapes, self._keep, self._reduction = shapes, keep, reduction
     self._total, self._everywhere, self._here = total, list(everywhere), list(here)
     self.split = reduction.split_kept_axes is not None
@@ -65,6 +84,15 @@ class Measured:
     if self._total is None:
       self._total = norm_of_leaves([self.units] if self._leaves else [], self._p)
     return self._total
+
+  def known(self, tree: PyTree = None) -> "KnownNorm":
+    """The total, with what it is the norm of, to pass on as
+    ``update(..., grad_norm=...)``: a transform that would take the same
+    norm of the same leaves uses it instead of reading them again.
+    ``tree``: the leaves passed on instead, equal to the measured ones
+    wherever the result counts (zeroed where a step is dropped)."""
+    leaves = self._leaves if tree is None else _tree.clippable_leaves(tree)
+    return KnownNorm(self.total, self._p, self._where, tuple(leaves))
 
   @property
   def units(self) -> jax.Array:
@@ -181,21 +209,41 @@ def _units(leaves, p, red: Reduction, keep) -> tuple[list, list]:
 
 
 def measure(fn: str, tree: PyTree, p, where: Where = HERE,
-            kept: Kept = TOTAL) -> Measured:
+            kept: Kept = TOTAL, *, given: "KnownNorm | Scalar | None" = None
+            ) -> Measured:
   """The ``p``-norms of ``tree``'s clippable leaves that ``kept`` asks for
-  (``fn`` names the caller in errors)."""
+  (``fn`` names the caller in errors).
+
+  ``given`` (a total only): a norm measured upstream (``KnownNorm``, used
+  when it is of these very leaves, else they are measured), or a number a
+  user measured (``update(..., grad_norm=...)``: trusted as this norm).
+  """
   leaves = _tree.clippable_leaves(tree)
   shapes = whole_shapes(fn, tree, where)
   keep = None if kept is TOTAL else kept.axes(fn, tree, shapes)
   if kept.across_leaves:
     return _across_leaves(fn, tree, leaves, p, where, shapes)
   red = reduction(fn, tree, where, keep)
+  common = {"shapes": shapes, "reduction": red, "where": where}
   if keep is None:
-    return Measured(tree, leaves, p, shapes=shapes, keep=None, reduction=red,
-                    total=norm_of_leaves(leaves, p, red))
+    total = _given_total(fn, given, leaves, p, where)
+    if total is None:
+      total = norm_of_leaves(leaves, p, red)
+    return Measured(tree, leaves, p, keep=None, total=total, **common)
   everywhere, here = _units(leaves, p, red, keep)
-  return Measured(tree, leaves, p, shapes=shapes, keep=keep, reduction=red,
-                  everywhere=everywhere, here=here)
+  return Measured(tree, leaves, p, keep=keep, everywhere=everywhere,
+                  here=here, **common)
+
+
+def _given_total(fn: str, given, leaves: list[jax.Array], p,
+                 where: Where) -> jax.Array | None:
+  """The total from ``given``, or None: measure."""
+  if given is None:
+    return None
+  if isinstance(given, KnownNorm):
+    return given.total if given.of(leaves, p, where) else None
+  norm = _validation.scalar(fn, "grad_norm", given)
+  return jnp.asarray(norm, _tree.accumulation_dtype(leaves))
 
 
 def measure_pair(fn: str, tree: PyTree, alongside: list[jax.Array], p,
@@ -211,7 +259,7 @@ def measure_pair(fn: str, tree: PyTree, alongside: list[jax.Array], p,
   n = len(leaves)
   first, second = (Measured(tree, leaves, p, shapes=shapes, keep=keep,
                             reduction=red, everywhere=everywhere[part],
-                            here=here[part])
+                            here=here[part], where=where)
                    for part in (slice(0, n), slice(n, 2 * n)))
   return first, second
 
@@ -228,7 +276,7 @@ def _across_leaves(fn, tree, leaves, p, where: Where, shapes) -> Measured:
     here = [unit_norms([jnp.stack(here)], p, LOCAL, ((1,),))]
   return Measured(tree, leaves, p, shapes=shapes,
                   keep=((0,),) * len(leaves), reduction=red,
-                  everywhere=everywhere, here=here)
+                  everywhere=everywhere, here=here, where=where)
 
 
 def norm_of(vectors: list[jax.Array], p) -> jax.Array:
@@ -246,7 +294,7 @@ def unit_shapes(fn: str, tree: PyTree, kept: Kept) -> list[tuple[int, ...]]:
   return [tuple(np.shape(x)[a] for a in k) for x, k in zip(leaves, keep)]
 
 
-def global_norm(tree: PyTree, ord: float | str = 2, *, axis_name=None,
+def global_norm(tree: PyTree, ord: Ord = 2, *, axis_name: AxisName = None,
                 specs: PyTree = None) -> jax.Array:
   """The ``ord``-norm of all floating leaves of ``tree`` taken together.
 
@@ -297,7 +345,7 @@ def global_norm(tree: PyTree, ord: float | str = 2, *, axis_name=None,
   return measure(fn, tree, p, where).total
 
 
-def all_finite(tree: PyTree, *, axis_name=None) -> jax.Array:
+def all_finite(tree: PyTree, *, axis_name: AxisName = None) -> jax.Array:
   """Whether every floating leaf of ``tree`` is free of NaN and Inf.
 
   Args:
