@@ -10,14 +10,11 @@ the right RMS where optax's squares overflow (its update is then 0). With
 Norm -> factor -> scale -> state, as every clipper here.
 """
 
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from jax import lax
 
 from optaxclip import (
     _core,
@@ -25,7 +22,6 @@ from optaxclip import (
     _running_stats,
     _scaling,
     _stats,
-    _tree,
     _validation,
 )
 from optaxclip._types import AxisName, PyTree, Scalar
@@ -64,61 +60,21 @@ _stats.register(BlockRMSState, "block_rms",
                 extras=lambda state: {"clip_rate": _counters.clip_rate(state)})
 
 
-def _block_rms_factors(norms: jax.Array, sizes: np.ndarray,
-                       threshold: Scalar) -> tuple[jax.Array, jax.Array]:
-  """``(rms, factor)`` of blocks from their 2-norms and sizes, elementwise.
-  An empty block has RMS 0, not 0/0."""
-  roots = np.sqrt(np.where(sizes > 0, sizes, 1)).astype(norms.dtype)
-  # rms > threshold  <=>  norm > threshold * sqrt(n): the factor divides the
-  # norm itself, so no division by a constant (which XLA turns into a
-  # multiply by its rounded reciprocal under jit only) makes jit and eager
-  # results differ.
-  factors = _scaling.clip_factor(norms, jnp.multiply(threshold, roots), 0.0)
-  return norms / roots, factors
-
-
-def _rms(fn: str, tree: PyTree, where: _core.Where, kept: _core.Kept,
-         threshold: Scalar) -> tuple[_core.Measured, jax.Array, jax.Array]:
-  """The norms, and ``(rms, factor)`` of every block on every device,
-  finite for finite leaves.
-
-  The norm of a block overflows float32 where its RMS need not (entries
-  near the largest float, ``n >= 2``). Only then (a ``lax.cond``) the norms
-  are taken again of the leaves times ``2**-k``, ``2**k >= sqrt(n)``, which
-  cannot overflow: the same formulas with ``n / 4**k`` entries (exact
-  powers of two) give the RMS and factor. An Inf entry keeps an Inf norm.
-  """
-  measured = _core.measure(fn, tree, 2, where, kept)
-  counts = [part.size for part in measured.per_leaf()]
-  entries = measured.entries_per_unit()
-  sizes = np.repeat(np.asarray(entries, np.float64), counts)
-  rms, factors = _block_rms_factors(measured.units, sizes, threshold)
-  if not entries or not _core.rescue_enabled():
-    return measured, rms, factors
-
-  def rescued():
-    shifts = [math.ceil(math.log2(max(n, 1)) / 2) for n in entries]
-    scaled = _tree.map_clippable_indexed(
-        lambda x, i: x * jnp.asarray(2.0 ** -shifts[i], x.dtype), tree)
-    again = _core.measure(fn, scaled, 2, where, kept).units
-    shrunk = sizes / np.repeat(4.0 ** np.asarray(shifts), counts)
-    more = _block_rms_factors(again, shrunk, threshold)
-    overflowed = jnp.isinf(measured.units)
-    return tuple(jnp.where(overflowed, new, old)
-                 for new, old in zip(more, (rms, factors)))
-
-  rms, factors = lax.cond(_core.any_in_batch(jnp.isinf(measured.units)),
-                          rescued, lambda: (rms, factors))
-  return measured, rms, factors
-
-
 def _clip(fn: str, tree: PyTree, threshold: Scalar, where: _core.Where,
           kept: _core.Kept) -> tuple[PyTree, jax.Array, jax.Array]:
   """The clipped tree, and the RMS and factor of every clippable leaf (or
-  layer slice, on every device), as vectors."""
+  layer slice, on every device), as vectors.
+
+  The RMSs come from the core, finite wherever they are finite numbers
+  (a block's norm may overflow float32 where its RMS does not: the core
+  divides by the root of its size before any rescaling). A zero block has
+  RMS 0 and factor 1, even with ``threshold = 0``.
+  """
   _validation.check_tree(fn, "the tree", tree)
-  measured, rms, factors = _rms(fn, tree, where, kept, threshold)
-  return _scaling.scale_leaves(tree, measured.to_leaves(factors)), rms, factors
+  measured = _core.measure(fn, tree, 2, where, kept, rms=True)
+  factors = _scaling.clip_factor(measured.units, threshold, 0.0)
+  clipped = _scaling.scale_leaves(tree, measured.to_leaves(factors))
+  return clipped, measured.units, factors
 
 
 def clip_by_block_rms_fn(tree: PyTree, threshold: Scalar, *,

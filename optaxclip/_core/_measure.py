@@ -32,7 +32,7 @@ from optaxclip._core._mesh import (
   whole_shapes,
   without_leading_axis,
 )
-from optaxclip._core._norms import norm_of_leaves, unit_norms
+from optaxclip._core._norms import norm_of_leaves, unit_norms, unit_rms
 from optaxclip._core._sums import is_order, power, safe_root
 from optaxclip._types import AxisName, Ord, PyTree, Scalar
 
@@ -194,9 +194,10 @@ def norms_of_rows(rows: jax.Array, p) -> jax.Array:
   return jnp.where(usable, roots * peak, peak)  # 0, Inf or NaN as they are
 
 
-def _units(leaves, p, red: Reduction, keep) -> tuple[list, list]:
-  """Every device's and this device's unit norms, per leaf."""
-  combined = unit_norms(leaves, p, red, keep)
+def _units(leaves, p, red: Reduction, keep, *, rms: bool = False
+           ) -> tuple[list, list]:
+  """Every device's and this device's unit norms (or RMSs), per leaf."""
+  combined = (unit_rms if rms else unit_norms)(leaves, p, red, keep)
   sizes = tuple(int(np.prod([x.shape[a] for a in kept]))
                 for x, kept in zip(leaves, keep))
   counts = red.unit_counts(sizes)
@@ -209,14 +210,16 @@ def _units(leaves, p, red: Reduction, keep) -> tuple[list, list]:
 
 
 def measure(fn: str, tree: PyTree, p, where: Where = HERE,
-            kept: Kept = TOTAL, *, given: "KnownNorm | Scalar | None" = None
-            ) -> Measured:
+            kept: Kept = TOTAL, *, given: "KnownNorm | Scalar | None" = None,
+            rms: bool = False) -> Measured:
   """The ``p``-norms of ``tree``'s clippable leaves that ``kept`` asks for
   (``fn`` names the caller in errors).
 
   ``given`` (a total only): a norm measured upstream (``KnownNorm``, used
   when it is of these very leaves, else they are measured), or a number a
   user measured (``update(..., grad_norm=...)``: trusted as this norm).
+  ``rms`` (units, ``p = 2``): each unit's root mean square instead of its
+  norm, over its entries on all devices, finite where the norm overflows.
   """
   leaves = _tree.clippable_leaves(tree)
   shapes = whole_shapes(fn, tree, where)
@@ -230,7 +233,7 @@ def measure(fn: str, tree: PyTree, p, where: Where = HERE,
     if total is None:
       total = norm_of_leaves(leaves, p, red)
     return Measured(tree, leaves, p, keep=None, total=total, **common)
-  everywhere, here = _units(leaves, p, red, keep)
+  everywhere, here = _units(leaves, p, red, keep, rms=rms)
   return Measured(tree, leaves, p, keep=keep, everywhere=everywhere,
                   here=here, **common)
 

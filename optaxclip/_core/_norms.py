@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
@@ -27,13 +28,26 @@ from optaxclip._core._sums import norms_of
 from optaxclip._core._tangents import norm_tangents
 
 
+def _roots_of_sizes(leaves, keep, reduction: Reduction, acc) -> jax.Array:
+  """Per unit of every device, the square root of its entries over all
+  devices (an empty unit counts 1): what turns a 2-norm into an RMS."""
+  sizes = [reduction.whole_count(i, math.prod(
+      d for a, d in enumerate(x.shape) if a not in kept))
+           for i, (x, kept) in enumerate(zip(leaves, keep))]
+  units = reduction.unit_counts(tuple(
+      math.prod(x.shape[a] for a in kept) for x, kept in zip(leaves, keep)))
+  sizes = np.repeat(np.asarray(sizes, np.float64), units)
+  return jnp.asarray(np.sqrt(np.where(sizes > 0, sizes, 1)), acc)
+
+
 def _p_norms(leaves, p, reduction: Reduction, keep: tuple[Keep, ...] | None,
-             *, total: bool) -> jax.Array:
+             *, total: bool, rms: bool = False) -> jax.Array:
   """The ``p``-norm of each unit (a vector in the accumulation dtype, in
   unit order: see ``Grouped``) or, with ``total``, of all leaves together
-  (a scalar), differentiable by formula. A traced order is an argument of
-  its own (a custom derivative may not close over a traced value), with its
-  derivative too.
+  (a scalar), differentiable by formula; with ``rms``, each unit's 2-norm
+  divided by the root of its size, finite where the norm would overflow.
+  A traced order is an argument of its own (a custom derivative may not
+  close over a traced value), with its derivative too.
   """
   leaves = [jnp.asarray(x) for x in leaves]
   acc = _tree.accumulation_dtype(leaves)
@@ -41,18 +55,24 @@ def _p_norms(leaves, p, reduction: Reduction, keep: tuple[Keep, ...] | None,
     return jnp.zeros([] if total else [0], acc)
   if total:
     keep = None  # a total keeps nothing
+  roots = (_roots_of_sizes(leaves, keep or ((),) * len(leaves), reduction, acc)
+           if rms else None)
 
   def grouped(leaves):
     # A total needs no per-leaf partials: small leaves of any shape merge.
     return Grouped(leaves, keep, merge=total and reduction.replicated_axes is None)
 
   def tangents(leaves, dots, out, p, dp=None):
+    if roots is not None:  # d(norm / root) = d norm / root
+      return norm_tangents(grouped(leaves), dots, out * roots, p, acc,
+                           reduction, total=total) / roots
     return norm_tangents(grouped(leaves), dots, out, p, acc, reduction,
                          total=total, dp=dp)
 
   @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
   def static(leaves, p):
-    return norms_of(grouped(leaves), p, acc, reduction, total=total)
+    return norms_of(grouped(leaves), p, acc, reduction, total=total,
+                    divisor=roots)
 
   @static.defjvp
   def static_jvp(p, primals, dots):
@@ -90,11 +110,11 @@ def _switch_on_order(norm_fn, p: jax.Array) -> jax.Array:
   return lax.switch(index, branches)
 
 
-def _by_order(total: bool) -> Callable[..., jax.Array]:
+def _by_order(total: bool, rms: bool = False) -> Callable[..., jax.Array]:
   """``_p_norms(leaves, p, reduction, keep)``, compiled once per tree
   structure, order, reduction and kept axes; a traced order dispatches
   with ``lax.switch``."""
-  norm_fn = functools.partial(_p_norms, total=total)
+  norm_fn = functools.partial(_p_norms, total=total, rms=rms)
   compiled = jax.jit(norm_fn, static_argnums=(1, 2, 3))
 
   def call(leaves: list[jax.Array], p: Any, reduction: Reduction = LOCAL,
@@ -114,3 +134,5 @@ norm_of_leaves = _by_order(total=True)
 # vector in unit order, holding every device's units where a kept axis is
 # sharded (``Reduction.local``).
 unit_norms = _by_order(total=False)
+# Each unit's root mean square: its 2-norm over the root of its size.
+unit_rms = _by_order(total=False, rms=True)
