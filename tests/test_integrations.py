@@ -11,23 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import CLIP_KEYS, keys, np_norm
 
 import optaxclip as oc
-
-CLIP_KEYS = {"norm", "scale", "count", "clipped_count", "nonfinite_count",
-             "clip_rate"}
-ZCLIP_KEYS = {"norm", "mean", "std", "z", "threshold", "scale", "count",
-              "clipped_count", "spike_count", "nonfinite_count", "clip_rate"}
-SKIP_KEYS = {"norm", "count", "skipped_count", "nonfinite_count",
-             "max_norm_count", "zscore_count", "ema_count", "norm_mean",
-             "norm_var", "norm_std", "skip_rate", "skipped_by_norm",
-             "skipped_by_loss", "loss", "loss_zscore", "loss_zscore_count",
-             "loss_nonfinite_count", "loss_ema_count", "loss_mean", "loss_var",
-             "loss_std"}
-
-
-def keys(prefix, fields):
-  return {f"{prefix}/{f}" for f in fields}
 
 
 def regression_data(n=32, d_in=4, d_out=2, seed=0):
@@ -189,10 +175,6 @@ def _assert_trees_close(actual, expected):
                actual, expected)
 
 
-def _f64_norm(leaf):
-  return np.linalg.norm(np.asarray(leaf, np.float64).ravel())
-
-
 def _with_gradients(scanned_and_twin):
   """``(params, grads)`` of the scanned model and of its twin."""
   (params, loss), (twin_params, twin_loss) = scanned_and_twin
@@ -220,7 +202,7 @@ def test_nnx_scan_layer_norms_and_step_match_unscanned_twin(clip):
   assert len(layer_keys) == 2 * SCAN_LAYERS  # kernel and bias, per layer
   for i in range(SCAN_LAYERS):
     for name in ("kernel", "bias"):
-      reference = _f64_norm(twin_grads["blocks"][i]["lin"][name])
+      reference = np_norm([twin_grads["blocks"][i]["lin"][name]])
       scanned_norm = stats[f"clip/leaf_norm/blocks/lin/{name}/{i}"]
       np.testing.assert_allclose(scanned_norm, reference, rtol=1e-5)
       np.testing.assert_allclose(scanned_norm,
@@ -240,7 +222,7 @@ def test_nnx_scan_layer_norms_and_step_match_unscanned_twin(clip):
   _assert_trees_close(_unstack(updated), twin_updated)
   # Independently: each twin leaf moved by -0.1 * its clipped gradient.
   def clipped(g):
-    return np.asarray(g, np.float64) * min(1.0, SCAN_MAX_NORM / _f64_norm(g))
+    return np.asarray(g, np.float64) * min(1.0, SCAN_MAX_NORM / np_norm([g]))
   if clip == "clip_by_norm":
     expected = jax.tree.map(lambda p, g: np.asarray(p, np.float64) - 0.1 * clipped(g),
                             twin_params, twin_grads)
@@ -326,16 +308,16 @@ def test_linen_scan_layer_norms_and_step_match_unscanned_twin(clip):
     for name in ("kernel", "bias"):
       scanned_norm = stats[f"clip/leaf_norm/params/blocks/lin/{name}/{i}"]
       np.testing.assert_allclose(
-          scanned_norm, _f64_norm(twin_grad_leaves[f"blocks_{i}"]["lin"][name]),
+          scanned_norm, np_norm([twin_grad_leaves[f"blocks_{i}"]["lin"][name]]),
           rtol=1e-5)
       np.testing.assert_allclose(
           scanned_norm, twin_stats[f"clip/leaf_norm/params/blocks_{i}/lin/{name}"],
           rtol=1e-5)
   for name in ("kernel", "bias"):
     np.testing.assert_allclose(stats[f"clip/leaf_norm/params/head/{name}"],
-                               _f64_norm(twin_grad_leaves["head"][name]), rtol=1e-5)
+                               np_norm([twin_grad_leaves["head"][name]]), rtol=1e-5)
   # clip/norm: the global norm, or (clip_by_norm) the largest layer's norm.
-  twin_norms = [_f64_norm(g) for g in jax.tree.leaves(twin_grads)]
+  twin_norms = [np_norm([g]) for g in jax.tree.leaves(twin_grads)]
   global_norm = np.sqrt(sum(n ** 2 for n in twin_norms))
   np.testing.assert_allclose(stats["clip/norm"], twin_stats["clip/norm"], rtol=1e-5)
   np.testing.assert_allclose(
@@ -351,7 +333,7 @@ def test_linen_scan_layer_norms_and_step_match_unscanned_twin(clip):
   _assert_trees_close(_linen_unstack(updated),
                       optax.apply_updates(twin_params, twin_updates))
   def scale(g):
-    norm = _f64_norm(g) if clip == "clip_by_norm" else global_norm
+    norm = np_norm([g]) if clip == "clip_by_norm" else global_norm
     max_norm = SCAN_MAX_NORM if clip == "clip_by_norm" else 1.0
     return min(1.0, max_norm / norm)
   expected = jax.tree.map(
@@ -621,73 +603,3 @@ def test_orbax_checkpoint_round_trip_is_bit_identical(tmp_path):
       stats["skip/skipped_count"])
   assert int(stats["skip/count"]) == n + m
   assert int(out[1].inner_state[0].collected) >= 3  # past the warm-up
-
-
-# ------------------------------------------------------------- stats key sets
-
-def _inject_clip():
-  return optax.inject_hyperparams(oc.clip_by_global_norm)(max_norm=1.0)
-
-
-STATS_CASES = {
-    "chain": (
-        lambda: optax.chain(oc.clip_by_global_norm(1.0),
-                            oc.clip_by_global_norm(2.0), optax.adam(1e-3)),
-        keys("clip", CLIP_KEYS) | keys("clip_1", CLIP_KEYS)),
-    "named_chain": (
-        lambda: optax.named_chain(("clipping", oc.clip_by_global_norm(1.0)),
-                                  ("spikes", oc.zclip(warmup_steps=2)),
-                                  ("opt", optax.adam(1e-3))),
-        keys("clipping/clip", CLIP_KEYS) | keys("spikes/zclip", ZCLIP_KEYS)),
-    "masked": (
-        lambda: optax.masked(optax.chain(oc.clip_by_global_norm(1.0),
-                                         optax.sgd(0.1)),
-                             {"a": True, "b": False}),
-        keys("clip", CLIP_KEYS)),
-    "partition": (
-        lambda: optax.partition(
-            {"x": optax.chain(oc.clip_by_global_norm(1.0), optax.sgd(0.1)),
-             "y": oc.zclip(warmup_steps=2)},
-            {"a": "x", "b": "y"}),
-        keys("x/clip", CLIP_KEYS) | keys("y/zclip", ZCLIP_KEYS)),
-    "multisteps": (
-        lambda: optax.MultiSteps(
-            optax.chain(oc.clip_by_global_norm(1.0), optax.sgd(0.1)), 2),
-        keys("clip", CLIP_KEYS)),
-    "inject_hyperparams": (
-        lambda: optax.chain(_inject_clip(), optax.sgd(0.1)),
-        keys("clip", CLIP_KEYS)),
-    "skip_step": (
-        lambda: oc.skip_step(optax.chain(oc.clip_by_global_norm(1.0),
-                                         optax.adam(1e-3)), max_norm=10.0),
-        keys("skip", SKIP_KEYS) | keys("clip", CLIP_KEYS)),
-    "skip_step_named_chain": (
-        lambda: oc.skip_step(optax.named_chain(
-            ("z", oc.zclip(warmup_steps=2)), ("c", oc.clip_grad_norm(1.0)),
-            ("opt", optax.adamw(1e-3)))),
-        keys("skip", SKIP_KEYS) | keys("z/zclip", ZCLIP_KEYS)
-        | keys("c/clip", CLIP_KEYS)),
-    "multisteps_of_skip_step": (
-        lambda: optax.MultiSteps(oc.skip_step(optax.chain(
-            oc.clip_by_global_norm(1.0), oc.clip_by_value(0.5),
-            optax.sgd(0.1)), zscore=6.0), 2),
-        keys("skip", SKIP_KEYS) | keys("clip", CLIP_KEYS)),
-}
-
-
-@pytest.mark.parametrize("case", sorted(STATS_CASES))
-def test_stats_key_sets(case):
-  make, expected = STATS_CASES[case]
-  tx = make()
-  params = {"a": jnp.ones(3), "b": jnp.ones(2)}
-  grads = {"a": jnp.array([3.0, 0.0, 4.0]), "b": jnp.array([1.0, -1.0])}
-  state = tx.init(params)
-  assert set(oc.stats(state)) == expected  # at init
-  update = jax.jit(tx.update)
-  for _ in range(3):
-    _, state = update(grads, state, params)
-    stats = oc.stats(state)
-    assert set(stats) == expected
-    assert set(jax.jit(oc.stats)(state)) == expected
-    for v in stats.values():
-      assert isinstance(v, jax.Array) and v.shape == ()
