@@ -39,7 +39,18 @@ class Case:
   zero_ok: bool = True  # `inject` may be 0
 
   def make(self, **overrides) -> optax.GradientTransformation:
-    return self.factory(**{**self.kwargs, **overrides})
+    """The transform; with number overrides (or none) one shared object, so
+    that the tests of a case reuse its compiled updates (a transform is a
+    pure function: nothing carries over between tests)."""
+    if not all(isinstance(v, (int, float)) for v in overrides.values()):
+      return self.factory(**{**self.kwargs, **overrides})  # the user's arrays
+    key = (id(self), tuple(sorted(overrides.items())))
+    if key not in _BUILT:
+      _BUILT[key] = self.factory(**{**self.kwargs, **overrides})
+    return _BUILT[key]
+
+
+_BUILT: dict[Any, optax.GradientTransformation] = {}
 
 
 CASES = {

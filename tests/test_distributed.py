@@ -863,13 +863,20 @@ def layer_clippers():
           "adagc": oc.adagc(layer_axis=LAYERED_AXIS)}
 
 
+@functools.cache
+def sharded_jit_case():
+  """(host tree, transforms, their results on the unsharded tree): the
+  eager reference, run once for both axis types."""
+  host = layered_host(seed=13)
+  txs = {**layered_transforms(), **layer_clippers()}
+  return host, txs, layered_step(txs, jax.tree.map(jnp.asarray, host))
+
+
 @pytest.mark.parametrize("axis_type", list(AXIS_TYPES))
 def test_sharded_jit_equals_the_unsharded(axis_type):
-  host = layered_host(seed=13)
+  host, txs, want = sharded_jit_case()
   mesh = make_mesh((2, 4), AXES, axis_type)
   tree = shard(host, mesh, LAYERED_SPECS)
-  txs = {**layered_transforms(), **layer_clippers()}
-  want = layered_step(txs, jax.tree.map(jnp.asarray, host))
   got = jax.jit(functools.partial(layered_step, txs))(tree)
   assert_same_results(got, want)
   # The updates keep their input's layout: on an Auto mesh, XLA would give
@@ -880,21 +887,28 @@ def test_sharded_jit_equals_the_unsharded(axis_type):
       assert y.sharding.is_equivalent_to(x.sharding, x.ndim), name
 
 
+@functools.cache
+def vmap_case():
+  """(host batch of trees, the batched step, its results on the unsharded
+  batch): the eager reference, run once for both axis types."""
+  hosts = [layered_host(seed=s) for s in (16, 17, 18)]
+  host = {k: np.stack([h[k] for h in hosts]) for k in hosts[0]}
+  txs = {"global": oc.clip_by_global_norm(1.0), **layered_transforms(), **layer_clippers()}
+  step = lambda t: {name: tx.update(t, tx.init(t), t)[0]  # noqa: E731
+                    for name, tx in txs.items()}
+  return host, step, jax.vmap(step)(jax.tree.map(jnp.asarray, host))
+
+
 @pytest.mark.parametrize("axis_type", list(AXIS_TYPES))
 def test_vmap_over_trees_sharded_on_a_mesh(axis_type):
   # A batch of split-kernel trees (the batch axis first, whole): each
   # tree's decision to rescue is one for the batch, so no select runs over
   # the split leaves (which an Explicit mesh refuses).
+  host, step, want = vmap_case()
   mesh = make_mesh((2, 4), AXES, axis_type)
-  hosts = [layered_host(seed=s) for s in (16, 17, 18)]
-  host = {k: np.stack([h[k] for h in hosts]) for k in hosts[0]}
   specs = {k: P(None, *spec) for k, spec in LAYERED_SPECS.items()}
   tree = shard(host, mesh, specs)
-  txs = {"global": oc.clip_by_global_norm(1.0), **layered_transforms(), **layer_clippers()}
-  step = lambda t: {name: tx.update(t, tx.init(t), t)[0]  # noqa: E731
-                    for name, tx in txs.items()}
   got = jax.jit(jax.vmap(step))(tree)
-  want = jax.vmap(step)(jax.tree.map(jnp.asarray, host))
   for name in want:
     jax.tree.map(lambda g, w, name=name: np.testing.assert_allclose(
         g, w, rtol=2e-6, err_msg=name), got[name], want[name])

@@ -6,6 +6,8 @@ Each test trains a few steps of a tiny model and checks the clipping and
 ``optaxclip.stats`` against values computed independently.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -181,10 +183,18 @@ def _with_gradients(scanned_and_twin):
   return (params, jax.grad(loss)(params)), (twin_params, jax.grad(twin_loss)(twin_params))
 
 
+@functools.cache
+def _gradients_of(library):
+  """`_with_gradients` of the nnx or the Linen models, built once for the
+  tests that share them (their arrays are never written to)."""
+  if library == "nnx":
+    return _with_gradients(_scanned_and_twin(pytest.importorskip("flax.nnx")))
+  return _with_gradients(_linen_scanned_and_twin(pytest.importorskip("flax.linen")))
+
+
 @pytest.mark.parametrize("clip", sorted(SCAN_CLIPS))
 def test_nnx_scan_layer_norms_and_step_match_unscanned_twin(clip):
-  nnx = pytest.importorskip("flax.nnx")
-  (params, grads), (twin_params, twin_grads) = _with_gradients(_scanned_and_twin(nnx))
+  (params, grads), (twin_params, twin_grads) = _gradients_of("nnx")
   # The scan and the unrolled loop compute the same gradients, per layer.
   _assert_trees_close(_unstack(grads), twin_grads)
 
@@ -287,8 +297,7 @@ def _linen_unstack(tree):
 
 @pytest.mark.parametrize("clip", sorted(SCAN_CLIPS))
 def test_linen_scan_layer_norms_and_step_match_unscanned_twin(clip):
-  nn = pytest.importorskip("flax.linen")
-  (params, grads), (twin_params, twin_grads) = _with_gradients(_linen_scanned_and_twin(nn))
+  (params, grads), (twin_params, twin_grads) = _gradients_of("linen")
   # The scan and the unrolled loop compute the same gradients, per layer.
   _assert_trees_close(_linen_unstack(grads), twin_grads)
 
@@ -343,8 +352,7 @@ def test_linen_scan_layer_norms_and_step_match_unscanned_twin(clip):
 
 
 def test_linen_scan_adaptive_grad_clip_matches_unscanned_twin():
-  nn = pytest.importorskip("flax.linen")
-  (params, grads), (twin_params, twin_grads) = _with_gradients(_linen_scanned_and_twin(nn))
+  (params, grads), (twin_params, twin_grads) = _gradients_of("linen")
 
   tx = oc.adaptive_grad_clip(0.01, layer_axis=LINEN_LAYER_AXIS)
   updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
