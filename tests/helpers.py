@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import subprocess
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -324,15 +325,20 @@ def run_process(args, **kwargs) -> subprocess.CompletedProcess:
   No time limit: a loaded machine is slow, not wrong. The process runs in a
   session of its own; when it ends, or when the test is interrupted while
   it runs, whatever it started that is still running (a pool's worker, a
-  spawned job) is killed with it.
+  spawned job) is killed with it. Its output goes to files, not pipes: a
+  process it left behind would hold a pipe open, and reading to the end
+  would wait for it.
   """
-  process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, start_new_session=True, **kwargs)
-  try:
-    stdout, stderr = process.communicate()
-  finally:
-    kill_process_group(process)
-  return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
+  with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+    process = subprocess.Popen(args, stdout=out, stderr=err, text=True,
+                               start_new_session=True, **kwargs)
+    try:
+      process.wait()
+    finally:
+      kill_process_group(process)
+    out.seek(0)
+    err.seek(0)
+    return subprocess.CompletedProcess(args, process.returncode, out.read(), err.read())
 
 
 def kill_process_group(process: subprocess.Popen) -> None:
