@@ -17,7 +17,9 @@ def main(process_id: int, num_processes: int, port: int) -> None:
 
   jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
                              num_processes=num_processes, process_id=process_id,
-                             initialization_timeout=60)
+                             # no deadline a loaded machine could miss: the
+                             # test stops the others if one worker fails
+                             initialization_timeout=3600)
   import numpy as np
   from jax import shard_map
   from jax.sharding import AxisType, NamedSharding

@@ -11,12 +11,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from fuzzing import assert_named_error
+from helpers import STEPS, Largest, f64_leaves, norm_sequence
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_autoclip import STEPS, Largest, f64_leaves, norm_sequence
 
 import optaxclip as oc
-from optaxclip._agc import adaptive_grad_clip, adaptive_grad_clip_fn
+
+F = oc.functional
+adaptive_grad_clip = oc.adaptive_grad_clip
+adaptive_grad_clip_fn = F.adaptive_grad_clip
 
 # Every kind of leaf optax distinguishes: scalar, vector, squeezable, linear
 # IO, multi-head, conv HWIO, conv 3-D DHWIO.
@@ -443,7 +447,6 @@ def test_unitwise_pieces_make_optax_agc():
   # optax's AGC from the two functions, leaf by leaf.
   params = tree_of(SOME, seed=46)
   grads = tree_of(SOME, seed=47, scale=0.3)
-  F = oc.functional
   ours = {k: F.unitwise_clip(F.unitwise_norm(grads[k]),
                              0.1 * jnp.maximum(F.unitwise_norm(params[k]), 1e-3), grads[k])
           for k in grads}
@@ -498,3 +501,18 @@ def test_layer_axis_nan_stays_in_its_layer_and_zero_is_finite():
   loss = lambda g, p: jnp.sum(adaptive_grad_clip_fn(g, p, CLIPPING, layer_axis=0)["k"])
   for gradient in jax.jit(jax.grad(loss, argnums=(0, 1)))(zeros, zeros):
     assert np.all(np.isfinite(gradient["k"]))
+
+
+@pytest.mark.parametrize("params", [
+    {"v": jnp.ones((2, 3)), "b": jnp.ones(3)},  # same leaves, other keys
+    {"w": jnp.ones((3, 2)), "b": jnp.ones(3)},  # other shapes
+    {"w": jnp.ones((2, 3)), "b": jnp.ones(3), "c": jnp.ones(2)},  # more leaves
+])
+def test_adaptive_grad_clip_names_mismatched_params(params):
+  grads = {"w": jnp.ones((2, 3)), "b": jnp.ones(3)}
+  tx = oc.adaptive_grad_clip(0.1)
+  for clip in (lambda g, p: tx.update(g, tx.init(p), p),
+               lambda g, p: F.adaptive_grad_clip(g, p, 0.1)):
+    with pytest.raises((ValueError, TypeError)) as info:
+      clip(grads, params)
+    assert_named_error(info.value, "adaptive_grad_clip", "params")

@@ -12,6 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import (
+  STEPS,  # noqa: F401 (test_adagc.py imports it from here)
+  Largest,
+  f64_leaves,
+  gradient_steps,
+  norm_sequence,
+  tree_like,
+  warm,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from outliers import (
@@ -22,43 +31,17 @@ from outliers import (
   scan_of,
   trees_with_norms,
 )
-from test_contract import tree_like, warm
 
 import optaxclip as oc
-from optaxclip._autoclip import auto_clip, percentile_of_prefix
+from optaxclip._autoclip import percentile_of_prefix
 
-STEPS = 200
-SPIKES = {30: 10.0, 77: 100.0, 150: 50.0, 151: 20.0}  # step -> norm multiplier
+auto_clip = oc.auto_clip
+
 RTOL = 1e-5
 
 
 # --------------------------------------------------------------------------
 # The reference, step by step in float64
-
-def norm_sequence(seed=0, base=1.0, spikes=None):
-  """Norms ``base`` with 10% noise, multiplied at ``spikes`` (step -> factor)."""
-  rng = np.random.default_rng(seed)
-  norms = base * (1.0 + 0.1 * rng.standard_normal(STEPS))
-  for step, factor in (SPIKES if spikes is None else spikes).items():
-    norms[step] *= factor
-  return norms
-
-
-def gradient_steps(norms, seed=1):
-  """One float32 gradient tree per step, with the given global norms."""
-  rng = np.random.default_rng(seed)
-  steps = []
-  for norm in norms:
-    tree = {"w": rng.normal(size=(8, 4)), "b": rng.normal(size=(4,))}
-    total = np.sqrt(sum(np.sum(x ** 2) for x in tree.values()))
-    steps.append({k: np.float32(x * norm / total) for k, x in tree.items()})
-  return steps
-
-
-def f64_leaves(tree):
-  return [np.asarray(np.asarray(x, np.float32), np.float64)
-          for x in jax.tree.leaves(tree)]
-
 
 def reference(steps, percentile, history=None, eps=1e-6):
   seen = []
@@ -71,26 +54,6 @@ def reference(steps, percentile, history=None, eps=1e-6):
     scale = min(1.0, threshold / (norm + eps))
     yield {"norm": norm, "threshold": threshold, "scale": scale,
            "clipped": [x * scale for x in leaves]}
-
-
-class Largest:
-  """The largest relative difference seen per quantity (printed by the tests)."""
-
-  def __init__(self):
-    self.seen = {}
-
-  def check(self, name, actual, expected, rtol=RTOL, floor=1e-30):
-    """Relative difference, taken against ``max(|expected|, floor)``."""
-    actual = np.asarray(np.asarray(actual, np.float32), np.float64)
-    expected = np.asarray(expected, np.float64)
-    difference = np.abs(actual - expected) / np.maximum(np.abs(expected), floor)
-    largest = float(np.max(difference, initial=0.0))
-    self.seen[name] = max(self.seen.get(name, 0.0), largest)
-    assert largest <= rtol, f"{name}: relative difference {largest:.3g}"
-
-  def report(self, title):
-    print(f"\n{title}: largest relative differences: " + ", ".join(
-        f"{k} {v:.2e}" for k, v in sorted(self.seen.items())))
 
 
 def run_against_reference(tx, steps, expected, title):

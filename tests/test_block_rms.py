@@ -16,10 +16,10 @@ import numpy as np
 import optax
 import pytest
 from conftest import FLOAT_DTYPES
+from helpers import hlo_ops
 from jax import shard_map
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_distributed import hlo_ops
 
 import optaxclip as oc
 from optaxclip import _block_rms

@@ -20,6 +20,10 @@ import numpy as np
 import optax
 import pytest
 from conftest import FLOAT_DTYPES
+from helpers import (
+  tree_like,
+  warm,  # noqa: F401 (test_zclip.py, test_adagc.py import it from here)
+)
 
 import optaxclip as oc
 
@@ -35,7 +39,18 @@ class Case:
   zero_ok: bool = True  # `inject` may be 0
 
   def make(self, **overrides) -> optax.GradientTransformation:
-    return self.factory(**{**self.kwargs, **overrides})
+    """The transform; with number overrides (or none) one shared object, so
+    that the tests of a case reuse its compiled updates (a transform is a
+    pure function: nothing carries over between tests)."""
+    if not all(isinstance(v, (int, float)) for v in overrides.values()):
+      return self.factory(**{**self.kwargs, **overrides})  # the user's arrays
+    key = (id(self), tuple(sorted(overrides.items())))
+    if key not in _BUILT:
+      _BUILT[key] = self.factory(**{**self.kwargs, **overrides})
+    return _BUILT[key]
+
+
+_BUILT: dict[Any, optax.GradientTransformation] = {}
 
 
 CASES = {
@@ -101,13 +116,6 @@ NAMES = list(CASES)
 RAISES_ON_NAN = {"clip_by_global_norm_raise"}
 
 
-def tree_like(dtype=jnp.float32, scale=1.0, seed=0):
-  rng = np.random.default_rng(seed)
-  tree = {"dense": {"w": rng.normal(size=(8, 4)), "b": rng.normal(size=(4,))},
-          "norm": [rng.normal(size=(3,))]}
-  return jax.tree.map(lambda x: jnp.asarray(x * scale, dtype), tree)
-
-
 PARAMS = tree_like(seed=1)  # AGC needs params; the others ignore them
 
 
@@ -124,15 +132,6 @@ def run(tx, grads, state=None, steps=1, jit=True):
   for _ in range(steps):
     out, state = update(grads, state, params)
   return out, state
-
-
-def warm(tx, grads, steps=3, growth=0.1):
-  """A state that has seen ``steps`` updates, the k-th scaled by 1 + growth*k."""
-  state = tx.init(grads)
-  for k in range(steps):
-    scaled = jax.tree.map(lambda x: x * (1 + growth * k), grads)
-    _, state = jax.jit(tx.update)(scaled, state)
-  return state
 
 
 def assert_trees_close(a, b, rtol=1e-6):
@@ -294,7 +293,7 @@ def test_inject_hyperparams(name):
     assert_trees_close(changed, unclipped)
 
 
-# nonfinite="raise" stops on NaN by design (tested in test_nonfinite.py).
+# nonfinite="raise" stops on NaN by design (tested in test_clip_by_global_norm.py).
 @pytest.mark.parametrize("name", [n for n in NAMES if n not in RAISES_ON_NAN])
 def test_apply_if_finite_skips_nan_steps(name):
   tx = optax.apply_if_finite(optax.chain(CASES[name].make(), optax.sgd(1.0)),

@@ -1,5 +1,6 @@
 """Distributed clipping: sharded ``jit`` (GSPMD), ``shard_map``/``pmap`` with
-``axis_name``/``specs``, and the collectives the compiled step runs.
+``axis_name``/``specs``, and the collectives the compiled step runs; per-layer
+norms, per-layer clippers and norm groups on stacked layers split over a mesh.
 
 Every result is compared with float64 numpy on the whole, unsharded tree.
 The 8 host CPU devices come from ``conftest.py``; several processes are in
@@ -12,7 +13,6 @@ import math
 import os
 import pathlib
 import re
-import subprocess
 import sys
 
 import jax
@@ -20,8 +20,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import (
+  AXIS_TYPES,
+  f64,
+  hlo_ops,
+  make_mesh,
+  np_factor,
+  np_leaf_norm,
+  np_norm,
+  run_process,
+  shard,
+)
 from jax import shard_map
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optaxclip as oc
@@ -30,29 +41,12 @@ F = oc.functional
 ORDS = [1, 2, 3, math.inf]
 MAX_NORM = 1.0        # below every global norm here: the global clippers clip
 MAX_LEAF_NORM = 3.0   # some leaves above, some below: per-leaf clipping varies
-AXIS_TYPES = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}
 # Collectives that move gradient data between devices; a norm needs none.
 DATA_MOVING = ("all-gather", "all-to-all", "collective-permute")
 
 
 # --------------------------------------------------------------------------
 # References
-
-def as_f64(x) -> np.ndarray:
-  """The values as stored, in float64 (bfloat16 goes through float32)."""
-  return np.asarray(np.asarray(x, np.float32), np.float64)
-
-
-def np_norm(leaves, ord) -> float:
-  flat = np.concatenate([np.abs(as_f64(x)).ravel() for x in leaves])
-  if ord == math.inf:
-    return float(flat.max(initial=0.0))
-  return float(np.sum(flat ** ord) ** (1 / ord))
-
-
-def np_factor(norm: float, max_norm: float, eps: float = 0.0) -> float:
-  return 1.0 if norm + eps <= max_norm else max_norm / (norm + eps)
-
 
 def float_leaves(tree):
   return [x for x in jax.tree.leaves(tree)
@@ -69,7 +63,7 @@ def assert_scaled(actual, original, factors):
   for x, y, s in zip(leaves, got, factors):
     assert y.dtype == x.dtype and y.shape == x.shape
     rtol = 1e-6 if x.dtype == jnp.float32 else 5e-3  # bf16: one rounding
-    np.testing.assert_allclose(as_f64(y), as_f64(x) * s, rtol=rtol, atol=0)
+    np.testing.assert_allclose(f64(y), f64(x) * s, rtol=rtol, atol=0)
 
 
 def expected_state(norm: float, factor: float) -> dict:
@@ -90,49 +84,6 @@ def assert_state(state, norm: float, factor: float):
 # --------------------------------------------------------------------------
 # HLO
 
-_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
-_INSTRUCTION = re.compile(r"=\s*(?:\([^=]*?\)|\S+)\s+([a-z][\w\-]*)\(")
-_REFERENCE = re.compile(r"%([\w.\-]+)")
-
-
-def hlo_ops(hlo: str, op: str) -> tuple[int, int]:
-  """How many ``op`` instructions run on the main path and how many only
-  inside the branches of a ``conditional`` (and what those branches call)."""
-  computations, entry, current = {}, None, None
-  for line in hlo.splitlines():
-    if current is None:
-      match = _COMPUTATION.match(line)
-      if match:
-        current = match.group(2)
-        computations[current] = []
-        if match.group(1):
-          entry = current
-    elif line.strip() == "}":
-      current = None
-    else:
-      match = _INSTRUCTION.search(line)
-      if match:
-        computations[current].append((match.group(1), line))
-  assert entry is not None, "no ENTRY computation in the HLO"
-  main, branches, stack = set(), set(), [(entry, False)]
-  while stack:
-    name, in_branch = stack.pop()
-    seen = branches if in_branch else main
-    if name in seen:
-      continue
-    seen.add(name)
-    for opcode, line in computations[name]:
-      for ref in _REFERENCE.findall(line):
-        if ref in computations and ref != name:
-          stack.append((ref, in_branch or opcode == "conditional"))
-
-  def count(names):
-    return sum(opcode in (op, op + "-start")
-               for name in names for opcode, _ in computations[name])
-
-  return count(main), count(branches - main)
-
-
 def test_hlo_counter_sees_main_path_and_branches():
   mesh = jax.make_mesh((8,), ("i",))
 
@@ -149,11 +100,6 @@ def test_hlo_counter_sees_main_path_and_branches():
 
 # --------------------------------------------------------------------------
 # Trees
-
-def make_mesh(shape, names, axis_type="explicit"):
-  return jax.make_mesh(shape, names,
-                       axis_types=(AXIS_TYPES[axis_type],) * len(names))
-
 
 # layout -> (mesh shape, axis names, {leaf name: (shape, spec)})
 LAYOUTS = {
@@ -210,11 +156,6 @@ def host_tree(layout, dtype=jnp.float32, scale=1.0, seed=0):
   return jax.tree.map(
       lambda d: np.asarray(jnp.asarray(rng.normal(size=d[0]) * scale, dtype)),
       LAYOUTS[layout][2], is_leaf=_is_leaf_def)
-
-
-def shard(tree, mesh, specs):
-  return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
-                      tree, specs)
 
 
 def layout_mesh(layout, axis_type="explicit"):
@@ -388,8 +329,7 @@ def test_gspmd_no_involuntary_rematerialization():
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="1",
              XLA_FLAGS="--xla_force_host_platform_device_count=8")
   code = _REMAT_PROBE.format(tests=str(pathlib.Path(__file__).parent))
-  run = subprocess.run([sys.executable, "-c", code], env=env, timeout=120,
-                       capture_output=True, text=True)
+  run = run_process([sys.executable, "-c", code], env=env)
   assert run.returncode == 0, run.stderr[-3000:]
   stages = re.split(r"^(.*) done$", run.stderr, flags=re.M)
   # stages: [log before control, "control", log, layout, log, ...]
@@ -785,6 +725,196 @@ def test_gspmd_all_reduces_40_leaves():
         hlo_ops(hlo, "all-reduce"))
   assert hlo_ops(hlo, "all-reduce")[0] == 1
   assert all(hlo_ops(hlo, op) == (0, 0) for op in DATA_MOVING)
+
+
+# --------------------------------------------------------------------------
+# 4. Per-layer norms, per-layer clipping and groups, sharded (on a 2x4 mesh:
+# a stacked kernel whose layer axis is split over "data", a stacked leaf
+# whose layers are whole on every device, a leaf replicated over "data",
+# one replicated everywhere, and an int leaf)
+
+LAYERED_LEAVES = {"kernel": ((8, 4, 8), P("data", None, "model")),
+             "stacked": ((4, 8), P(None, "model")),
+             "w": ((6, 12), P(None, "model")), "b": ((5,), P())}
+LAYERED_SPECS = {name: spec for name, (_, spec) in LAYERED_LEAVES.items()} | {"step": P()}
+LAYERED_AXIS = {"kernel": 0, "stacked": 0, "w": None, "b": None, "step": None}
+LAYERED_UNSPLIT = {**LAYERED_AXIS, "kernel": None}  # no layer axis split
+LAYERED_LABELS = {"kernel": "a", "stacked": "b", "w": "a", "b": "b", "step": "a"}
+
+
+def layered_host(seed=12, scale=1.0):
+  rng = np.random.default_rng(seed)
+  tree = {name: np.asarray(rng.normal(size=shape) * scale, np.float32)
+          for name, (shape, _) in LAYERED_LEAVES.items()}
+  return {**tree, "step": np.int32(3)}
+
+
+# Per order, a layer limit some of the kernel's layers are above.
+PER_LAYER = {1: 25.0, 2: 5.0, math.inf: 2.2}
+
+
+def layered_transforms(ord=2, **dist):
+  return {
+      "global": oc.clip_by_global_norm(1.0, ord=ord, leaf_norms=True,
+                                       layer_axis=LAYERED_AXIS, **dist),
+      "per_layer": oc.clip_by_norm(PER_LAYER[ord], ord=ord, leaf_norms=True,
+                                   layer_axis=LAYERED_AXIS, **dist),
+      "groups": oc.clip_by_global_norm({"a": 1.0, "b": 2.0}, ord=ord, groups=LAYERED_LABELS,
+                                       leaf_norms=True, layer_axis=LAYERED_UNSPLIT, **dist),
+  }
+
+
+def state_specs(name, state):
+  """out_specs of a state: the layer norms of the split kernel along "data"."""
+  specs = jax.tree.map(lambda _: P(), state)
+  if name == "groups":  # its kernel has no layer axis
+    return specs
+  return specs._replace(leaf_norms={**specs.leaf_norms, "kernel": P("data")})
+
+
+def layered_step(txs, tree):
+  return {name: tx.update(tree, tx.init(tree)) for name, tx in txs.items()}
+
+
+def assert_same_results(got, want, rtol=2e-6):
+  for name in want:
+    jax.tree.map(lambda g, w, name=name: np.testing.assert_allclose(
+        np.asarray(g), np.asarray(w), rtol=rtol, err_msg=name), got[name], want[name])
+
+
+@pytest.mark.parametrize("ord", [1, 2, math.inf])
+def test_shard_map_layer_norms_and_clipping_equal_the_unsharded(ord):
+  host = layered_host()
+  want = layered_step(layered_transforms(ord), jax.tree.map(jnp.asarray, host))
+  txs = layered_transforms(ord, axis_name=AXES, specs=LAYERED_SPECS)
+  mesh = make_mesh((2, 4), AXES)
+  out_specs = {name: (LAYERED_SPECS, state_specs(name, want[name][1])) for name in txs}
+  step = jax.jit(shard_map(functools.partial(layered_step, txs), mesh=mesh,
+                           in_specs=(LAYERED_SPECS,), out_specs=out_specs))
+  got = step(shard(host, mesh, LAYERED_SPECS))
+  assert_same_results(got, want)
+  # And against numpy: each layer of the split kernel, each clipped by its own.
+  np.testing.assert_allclose(got["global"][1].leaf_norms["kernel"],
+                             np_leaf_norm(host["kernel"], ord, 0), rtol=2e-6)
+  factors = np_factor(np_leaf_norm(host["kernel"], ord, 0), PER_LAYER[ord])
+  assert 0 < factors.min() < factors.max() == 1
+  np.testing.assert_allclose(got["per_layer"][0]["kernel"],
+                             f64(host["kernel"]) * factors[:, None, None], rtol=2e-6)
+
+
+def hlo_all_reduces(tx, host):
+  mesh = make_mesh((2, 4), AXES)
+  tree = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(
+      np.shape(x), x.dtype, sharding=NamedSharding(mesh, s)), host, LAYERED_SPECS)
+  f = shard_map(lambda t: tx.update(t, tx.init(t))[1], mesh=mesh,
+                in_specs=(LAYERED_SPECS,), out_specs=P(), check_vma=False)
+  return hlo_ops(jax.jit(f).lower(tree).compile().as_text(), "all-reduce")
+
+
+@pytest.mark.parametrize("layer_axis", ["unsplit", "split"])
+@pytest.mark.parametrize("name", ["leaf_norms", "clip_by_norm", "groups", "block_rms",
+                                  "agc"])
+def test_one_all_reduce_with_or_without_split_layer_axes(name, layer_axis):
+  # A layer axis split over the mesh too: each device writes its layers at
+  # their place among all devices' layers, so one all-reduce still does.
+  axes = {"unsplit": LAYERED_UNSPLIT, "split": LAYERED_AXIS}[layer_axis]
+  dist = dict(axis_name=AXES, specs=LAYERED_SPECS, layer_axis=axes)
+  tx = {"leaf_norms": lambda: oc.clip_by_global_norm(1.0, leaf_norms=True, **dist),
+        "clip_by_norm": lambda: oc.clip_by_norm(1.0, leaf_norms=True, **dist),
+        "groups": lambda: oc.clip_by_global_norm(1.0, groups=LAYERED_LABELS, leaf_norms=True,
+                                                 **dist),
+        "block_rms": lambda: oc.clip_by_block_rms(0.1, **dist),
+        "agc": lambda: with_params(oc.adaptive_grad_clip(0.01, **dist))}[name]()
+  main, _ = hlo_all_reduces(tx, layered_host())
+  assert main == 1, f"{name}: {main} all-reduces on the main path"
+
+
+def with_params(tx):
+  """``tx`` with the gradients as its params too (AGC needs params)."""
+  return optax.GradientTransformation(
+      tx.init, lambda updates, state, params=None: tx.update(updates, state, updates))
+
+
+def test_groups_with_a_split_layer_axis_equal_the_unsharded():
+  host = layered_host(seed=15)
+  labels = {**LAYERED_LABELS, "kernel": "b"}  # the split kernel shares a group
+  make = lambda **kw: oc.clip_by_global_norm(  # noqa: E731
+      {"a": 1.0, "b": 2.0}, groups=labels, leaf_norms=True, layer_axis=LAYERED_AXIS,
+      **kw)
+  want = layered_step({"groups": make()}, jax.tree.map(jnp.asarray, host))
+  tx = make(axis_name=AXES, specs=LAYERED_SPECS)
+  mesh = make_mesh((2, 4), AXES)
+  specs = state_specs("global", jax.tree.map(lambda _: P(), want["groups"][1]))
+  step = jax.jit(shard_map(functools.partial(layered_step, {"groups": tx}), mesh=mesh,
+                           in_specs=(LAYERED_SPECS,), out_specs={"groups": (LAYERED_SPECS, specs)}))
+  got = step(shard(host, mesh, LAYERED_SPECS))
+  assert_same_results(got, want)
+  # Group "b" by hand: the kernel's and the others' norms together.
+  members = [host[k] for k, label in labels.items() if label == "b" and k != "step"]
+  norm = np.sqrt(sum(np.sum(f64(x) ** 2) for x in members))
+  np.testing.assert_allclose(got["groups"][1].groups["b"].norm, norm, rtol=2e-6)
+
+
+def layer_clippers():
+  """Every per-layer clipper on the split-kernel tree (AGC's params: the
+  gradients; its kernel units are split over both mesh axes)."""
+  return {"agc": with_params(oc.adaptive_grad_clip(0.01, layer_axis=LAYERED_AXIS)),
+          "block_rms": oc.clip_by_block_rms(0.1, layer_axis=LAYERED_AXIS),
+          "adagc": oc.adagc(layer_axis=LAYERED_AXIS)}
+
+
+@functools.cache
+def sharded_jit_case():
+  """(host tree, transforms, their results on the unsharded tree): the
+  eager reference, run once for both axis types."""
+  host = layered_host(seed=13)
+  txs = {**layered_transforms(), **layer_clippers()}
+  return host, txs, layered_step(txs, jax.tree.map(jnp.asarray, host))
+
+
+@pytest.mark.parametrize("axis_type", list(AXIS_TYPES))
+def test_sharded_jit_equals_the_unsharded(axis_type):
+  host, txs, want = sharded_jit_case()
+  mesh = make_mesh((2, 4), AXES, axis_type)
+  tree = shard(host, mesh, LAYERED_SPECS)
+  got = jax.jit(functools.partial(layered_step, txs))(tree)
+  assert_same_results(got, want)
+  # The updates keep their input's layout: on an Auto mesh, XLA would give
+  # the unsplit `stacked` the split kernel's layout along "data" through a
+  # vector of factors the two share, were each leaf's factors not whole.
+  for name in txs:
+    for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(got[name][0])):
+      assert y.sharding.is_equivalent_to(x.sharding, x.ndim), name
+
+
+@functools.cache
+def vmap_case():
+  """(host batch of trees, the batched step, its results on the unsharded
+  batch): the eager reference, run once for both axis types."""
+  hosts = [layered_host(seed=s) for s in (16, 17, 18)]
+  host = {k: np.stack([h[k] for h in hosts]) for k in hosts[0]}
+  txs = {"global": oc.clip_by_global_norm(1.0), **layered_transforms(), **layer_clippers()}
+  step = lambda t: {name: tx.update(t, tx.init(t), t)[0]  # noqa: E731
+                    for name, tx in txs.items()}
+  return host, step, jax.vmap(step)(jax.tree.map(jnp.asarray, host))
+
+
+@pytest.mark.parametrize("axis_type", list(AXIS_TYPES))
+def test_vmap_over_trees_sharded_on_a_mesh(axis_type):
+  # A batch of split-kernel trees (the batch axis first, whole): each
+  # tree's decision to rescue is one for the batch, so no select runs over
+  # the split leaves (which an Explicit mesh refuses).
+  host, step, want = vmap_case()
+  mesh = make_mesh((2, 4), AXES, axis_type)
+  specs = {k: P(None, *spec) for k, spec in LAYERED_SPECS.items()}
+  tree = shard(host, mesh, specs)
+  got = jax.jit(jax.vmap(step))(tree)
+  for name in want:
+    jax.tree.map(lambda g, w, name=name: np.testing.assert_allclose(
+        g, w, rtol=2e-6, err_msg=name), got[name], want[name])
+    for k in host:
+      assert got[name][k].sharding.is_equivalent_to(tree[k].sharding, host[k].ndim), (
+          name, k)
 
 
 # --------------------------------------------------------------------------

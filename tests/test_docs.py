@@ -29,11 +29,11 @@ import io
 import os
 import pathlib
 import re
-import subprocess
 import sys
 import textwrap
 
 import pytest
+from helpers import run_process
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -179,9 +179,9 @@ def test_distributed_page_on_8_devices():
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                       " --xla_force_host_platform_device_count=8").strip()
   env["JAX_PLATFORMS"] = "cpu"
-  result = subprocess.run(
+  result = run_process(
       [sys.executable, str(pathlib.Path(__file__)), "distributed.md", "8"],
-      env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+      env=env, cwd=ROOT)
   assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -204,10 +204,9 @@ def test_mkdocs_build_strict(tmp_path):
     if importlib.util.find_spec(module.split(".")[0]) is None:
       pytest.skip(f"{module} is not installed (see DOCS_DEPS.txt)")
   env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-  result = subprocess.run(
+  result = run_process(
       [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
-       str(tmp_path / "site")],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+       str(tmp_path / "site")], cwd=ROOT, env=env)
   assert result.returncode == 0, result.stdout + result.stderr
   reference = (tmp_path / "site" / "reference" / "index.html").read_text()
   assert '<a href="https://arxiv.org/abs/2504.02507">' in reference  # ZClip

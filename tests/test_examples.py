@@ -3,11 +3,19 @@
 import os
 import pathlib
 import re
-import subprocess
 import sys
+
+from helpers import run_process
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run_ok(args, **kwargs):
+  """Runs an example to the end (no time limit); it must exit with 0."""
+  result = run_process(args, **kwargs)
+  assert result.returncode == 0, result.stdout + result.stderr
+  return result
 
 
 def tables(stdout):
@@ -28,9 +36,8 @@ def tables(stdout):
 
 def test_demo_quick_writes_tables_and_plots(tmp_path):
   png = tmp_path / "demo.png"
-  result = subprocess.run(
-      [sys.executable, str(ROOT / "examples" / "demo.py"), "--quick", "--out", str(png)],
-      capture_output=True, text=True, timeout=600, check=True)
+  result = run_ok([sys.executable, str(ROOT / "examples" / "demo.py"), "--quick",
+                   "--out", str(png)])
   rnn, spikes = tables(result.stdout)
   assert len(rnn) == 5
   assert "optaxclip.clip_by_global_norm(1)" in rnn
@@ -51,8 +58,7 @@ def test_demo_quick_writes_tables_and_plots(tmp_path):
 
 
 def test_log_stats_example_writes_csv_and_plot(tmp_path):
-  subprocess.run([sys.executable, str(ROOT / "examples" / "log_stats.py"), "--out", str(tmp_path)],
-                 capture_output=True, text=True, timeout=600, check=True)
+  run_ok([sys.executable, str(ROOT / "examples" / "log_stats.py"), "--out", str(tmp_path)])
   rows = (tmp_path / "stats.csv").read_text().splitlines()
   header = rows[0].split(",")
   assert "clip/norm" in header and "skip/skipped_count" in header, header
@@ -65,9 +71,8 @@ def test_scanned_training_quick_logs_per_layer_norms(tmp_path):
   # This checkout's optaxclip, not whichever one the environment installed.
   env = {**os.environ, "PYTHONPATH": os.pathsep.join(
       [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-  result = subprocess.run(
-      [sys.executable, str(ROOT / "examples" / "scanned_training.py"), "--quick",
-       "--out", str(png)], env=env, capture_output=True, text=True, timeout=600, check=True)
+  result = run_ok([sys.executable, str(ROOT / "examples" / "scanned_training.py"), "--quick",
+                   "--out", str(png)], env=env)
   # One norm per stacked layer (2 in the quick configuration), all finite.
   norms = re.search(r"last step's layer norms: (.*)", result.stdout)
   assert norms, result.stdout

@@ -14,411 +14,57 @@ and values, checked with hypothesis against what the library promises.
   skipped as the mode says, and never reach the adaptive statistics.
 - Guarded compositions keep the parameters finite and recover afterwards.
 
+The strategies (trees, values, each transform's valid and invalid
+hyperparameters: ``SPECS``) are in fuzzing.py; the random-tree tests of one
+function are in its own file (test_global_norm.py, test_per_example.py,
+test_loss_scale.py, test_agc.py).
+
 Trees come from a few fixed templates, so the compiled norms are reused;
 transforms run eagerly (op by op, cached per shape), since every example
 builds a new transform, which ``jit`` would compile anew.
 """
 
-import dataclasses
 import functools
 import math
 from collections.abc import Callable
 from typing import Any
 
-import hypothesis.extra.numpy as hnp
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import HealthCheck, assume, example, given, settings
+from fuzzing import (
+  BF16,
+  F16,
+  F32,
+  INNERS,
+  MULTIPLIERS,
+  NAMES,
+  SPECS,
+  Spec,
+  all_finite,
+  assert_named_error,
+  bad_arguments,
+  cases,
+  clippable,
+  fuzz_settings,
+  has_nan,
+  is_clippable,
+  params_like,
+  signature,
+)
+from helpers import np_norm
+from hypothesis import given
 from hypothesis import strategies as st
-from jax.sharding import PartitionSpec as P
 
 import optaxclip as oc
 
 F = oc.functional
 
 
-def fuzz_settings(examples: int) -> settings:
-  # Deterministic for CI: the same examples every run, nothing stored.
-  return settings(max_examples=examples, derandomize=True, deadline=None,
-                  database=None, suppress_health_check=list(HealthCheck))
-
-
-# ---------------------------------------------------------------------------
-# Trees: a few fixed templates (each new structure costs a compile).
-
-
-@dataclasses.dataclass(frozen=True)
-class Float:
-  """A floating leaf of the template: its values are drawn."""
-  shape: tuple[int, ...]
-  dtype: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class PyFloat:
-  """A Python float leaf (as optax accepts)."""
-
-
-F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
-TEMPLATES = {
-    "mixed": {"dense": {"w": Float((2, 3), F32), "b": Float((3,), BF16)},
-              "half": Float((4,), F16), "scalar": Float((), F32),
-              "none": None, "masked": optax.MaskedNode(),
-              "step": np.array([3, 7], np.int32), "flag": np.array(True)},
-    "f32": [Float((5,), F32), Float((2, 2), F32)],
-    "bf16": {"a": Float((2, 3), BF16)},
-    "f16_scalar": Float((), F16),
-    "empty": {},
-    "no_float": {"step": np.arange(3, dtype=np.int32), "none": None,
-                 "masked": optax.MaskedNode()},
-    "py_float": {"x": PyFloat(), "w": Float((3,), F32)},
-}
-# The float leaves hold at most 14 entries of magnitude <= 1e36, so every
-# norm (even for ord=0.5: (14 * 1e18)**2) is below float32's maximum.
-EXPONENTS = [-45, -39, -30, -20, -8, -1, 0, 0, 2, 5, 19, 30, 36]
-INJECTIONS = ["none", "none", "nan", "inf", "-inf", "huge"]
-MULTIPLIERS = [1.0, 1.0, 0.0, 0.5, -1.0, 1e-3]
-ORDERS = [1, 2, 2.0, 3, 0.5, 1.5, 7, math.inf, "inf"]
-
-
-def _is_spec(x: Any) -> bool:
-  return isinstance(x, (Float, PyFloat))
-
-
-def float_specs(template) -> list[Any]:
-  return [x for x in jax.tree.leaves(template, is_leaf=_is_spec) if _is_spec(x)]
-
-
-def cast(values: np.ndarray, dtype) -> np.ndarray:
-  """float64 values in ``dtype``, saturated to its finite range."""
-  big = float(jnp.finfo(dtype).max)
-  return np.asarray(jnp.asarray(np.clip(values, -big, big), dtype))
-
-
-@dataclasses.dataclass
-class Case:
-  """One drawn input: a template with float64 values for its float leaves."""
-  template: str
-  values: list[np.ndarray]  # one per Float/PyFloat leaf, in tree order
-  injection: str
-  where: tuple[int, int]  # (float leaf, flat index) of the injection
-
-  def tree(self, multiplier: float = 1.0, inject: bool = False):
-    values = iter(self.values)
-
-    def build(spec):
-      if isinstance(spec, PyFloat):  # saturated to float32, as JAX will read it
-        return float(cast(np.float64(next(values) * multiplier), jnp.float32))
-      if isinstance(spec, Float):
-        return jnp.asarray(cast(next(values) * multiplier, spec.dtype), spec.dtype)
-      return jnp.asarray(spec)
-
-    leaves = [build(spec) for spec in jax.tree.leaves(
-        TEMPLATES[self.template], is_leaf=_is_spec)]
-    tree = jax.tree.unflatten(jax.tree.structure(
-        TEMPLATES[self.template], is_leaf=_is_spec), leaves)
-    if inject and self.injection != "none":
-      tree = inject_into(tree, self.injection, self.where)
-    return tree
-
-
-def inject_into(tree, kind: str, where: tuple[int, int]):
-  leaves, treedef = jax.tree.flatten(tree)
-  spots = [i for i, x in enumerate(leaves) if isinstance(x, float) or (
-      hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating))]
-  if not spots:
-    return tree
-  i = spots[where[0] % len(spots)]
-  x = leaves[i]
-  dtype = np.float32 if isinstance(x, float) else x.dtype
-  value = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf,
-           "huge": 0.88 * float(jnp.finfo(dtype).max)}[kind]
-  if isinstance(x, float):
-    leaves[i] = value
-  else:
-    flat = x.reshape(-1)
-    leaves[i] = flat.at[where[1] % flat.size].set(value).reshape(x.shape)
-  return treedef.unflatten(leaves)
-
-
-@st.composite
-def cases(draw, templates=tuple(TEMPLATES)):
-  template = draw(st.sampled_from(templates))
-  injection = draw(st.sampled_from(INJECTIONS))
-  values = []
-  for spec in float_specs(TEMPLATES[template]):
-    shape = () if isinstance(spec, PyFloat) else spec.shape
-    exponent = draw(st.sampled_from(EXPONENTS))
-    if injection == "huge":  # one entry near the maximum, the rest ordinary
-      exponent = min(exponent, 0)
-    unit = draw(hnp.arrays(np.float64, shape, elements=st.floats(-1, 1)))
-    values.append(unit * 10.0**exponent)
-  where = (draw(st.integers(0, 7)), draw(st.integers(0, 15)))
-  return Case(template, values, injection, where)
-
-
-# ---------------------------------------------------------------------------
-# Reference numbers, in float64.
-
-
-def is_clippable(x: Any) -> bool:
-  if isinstance(x, float):
-    return True
-  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
-
-
-def clippable(tree) -> list[np.ndarray]:
-  return [np.asarray(x, np.float64) for x in jax.tree.leaves(tree)
-          if is_clippable(x)]
-
-
-def p_norm(values: list[np.ndarray], ord: Any) -> float:
-  """The ord-norm of all values together, in float64 (any magnitude)."""
-  flat = np.abs(np.concatenate([np.ravel(v) for v in values] or [np.zeros(0)]))
-  if flat.size == 0:
-    return 0.0
-  peak = float(np.max(flat))
-  if ord in (math.inf, "inf") or not np.isfinite(peak) or peak == 0:
-    return peak if ord in (math.inf, "inf") or peak == 0 else float(np.sum(flat))
-  p = float(ord)
-  return peak * float(np.sum((flat / peak) ** p)) ** (1 / p)
-
-
-def all_finite(tree) -> bool:
-  return all(np.all(np.isfinite(v)) for v in clippable(tree))
-
-
-def has_nan(tree) -> bool:
-  return any(np.any(np.isnan(v)) for v in clippable(tree))
-
-
-def signature(tree):
-  """Shape, dtype and weak type of every array leaf (what jit caches on)."""
-  def sig(x):
-    if isinstance(x, float):
-      return ("python float",)
-    return (jnp.shape(x), jnp.result_type(x), getattr(x, "weak_type", None))
-  return jax.tree.map(sig, tree)
-
-
-def assert_named_error(error: BaseException, fn: str, arg: str) -> None:
-  """A ValueError/TypeError whose message names the function and argument."""
-  assert isinstance(error, (ValueError, TypeError)), (
-      f"{type(error).__name__} instead of a ValueError/TypeError: {error}")
-  message = str(error)
-  assert fn in message and arg in message, (
-      f"the message does not name `{fn}` and `{arg}`: {message!r}")
-
-
-# ---------------------------------------------------------------------------
-# Hyperparameters: what is valid and what is not, per transform.
-
-TINY = 1e-30
-
-
-def forms(values: st.SearchStrategy) -> st.SearchStrategy:
-  """A valid number as Python float, numpy scalar or concrete JAX array."""
-  return values.flatmap(lambda v: st.sampled_from(
-      [v, np.float64(v), np.float32(v), jnp.asarray(v, jnp.float32)]))
-
-
-def nonneg(high: float = 1e6) -> st.SearchStrategy:
-  return forms(st.one_of(st.just(0.0), st.sampled_from([TINY, 1.0, high]),
-                         st.floats(1e-6, high)))
-
-
-def unit(include_one: bool = True) -> st.SearchStrategy:
-  high = 1.0 if include_one else 0.999
-  return forms(st.one_of(st.sampled_from([0.0, high]), st.floats(0.0, high)))
-
-
-NOT_NUMBERS = ["1.0", True, [1.0], np.ones(2), jnp.ones(2), 1j]
-NEGATIVE = [-1.0, -1e-30, np.float32(-2.0), jnp.asarray(-1.0), -math.inf, math.nan,
-            jnp.asarray(math.nan)]
-NOT_FINITE = [math.inf, jnp.asarray(math.inf)]
-BAD_ORDERS = [0, -2, math.nan, "two", None, jnp.asarray(-1.0), jnp.asarray(0.0)]
-BAD_INTS = [1.5, "3", True, None]
-
-
-@dataclasses.dataclass(frozen=True)
-class Spec:
-  """How the fuzz builds and judges one public transform."""
-  fn: str
-  build: Callable[..., optax.GradientTransformation]
-  valid: st.SearchStrategy  # of kwargs dicts
-  invalid: dict[str, list[Any]]  # argument -> bad values (others valid)
-  base: dict[str, Any]  # valid kwargs the invalid ones are put into
-  norm_ord: Callable[[dict], Any] | None = None  # the order of state.norm
-  per_leaf: bool = False  # state.norm is the largest leaf norm
-  adaptive: tuple[str, ...] = ()  # statistics a NaN step must not touch
-  cross: tuple[dict[str, Any], ...] = ()  # invalid combinations
-
-
-def _value_kwargs() -> st.SearchStrategy:
-  # Bounds may be infinite outward: inf above, -inf below (no bound).
-  bounds = st.tuples(st.floats(-1e6, 1e6) | st.just(-math.inf),
-                     st.floats(-1e6, 1e6) | st.just(math.inf)).map(sorted)
-  return st.one_of(
-      (nonneg() | st.just(math.inf)).map(lambda hi: {"max_value": hi}),
-      bounds.map(lambda b: {"max_value": b[1], "min_value": b[0]}))
-
-
-def _norm_kwargs(max_norms) -> st.SearchStrategy:
-  return st.fixed_dictionaries({
-      "max_norm": max_norms, "ord": st.sampled_from(ORDERS),
-      "eps": st.one_of(st.just(0.0), nonneg(1e-3)),
-      "nonfinite": st.sampled_from(["propagate", "zero", "raise"])})
-
-
-# Thresholds are numbers >= 0, or inf: measure the norm, never clip.
-MAX_NORMS = st.one_of(nonneg(1e30), st.just(1.0), st.just(math.inf))
-NORM_INVALID = {"max_norm": NEGATIVE + NOT_NUMBERS + [None], "ord": BAD_ORDERS,
-                "eps": NEGATIVE + NOT_FINITE + ["0"],
-                "nonfinite": ["skip", None, True], "axis_name": [1.5, [None]],
-                "specs": [P(), {"w": P()}]}  # specs without axis_name
-INNERS = {
-    "identity": optax.identity(),
-    "clip": oc.clip_by_global_norm(1.0),
-    "clip_value": optax.chain(oc.clip_by_norm(0.5), oc.clip_by_value(0.3)),
-    "loss_scale": optax.chain(oc.dynamic_loss_scale(16.0, period=2),
-                              optax.identity()),
-}
-
-SPECS = {
-    "clip_by_value": Spec(
-        "clip_by_value", lambda **k: oc.clip_by_value(**k), _value_kwargs(),
-        {"max_value": [-1.0, math.nan, -math.inf, "0.1", None, np.ones(2),
-                       jnp.asarray(-1.0)],
-         "min_value": [math.nan, math.inf, "0", 2.0, jnp.asarray(2.0)]},
-        {"max_value": 1.0},
-        cross=({"max_value": 1.0, "min_value": jnp.asarray(2.0)},)),
-    "clip_by_norm": Spec(
-        "clip_by_norm", lambda **k: oc.clip_by_norm(**k),
-        _norm_kwargs(MAX_NORMS), NORM_INVALID, {"max_norm": 1.0},
-        norm_ord=lambda k: k["ord"], per_leaf=True),
-    "clip_by_global_norm": Spec(
-        "clip_by_global_norm", lambda **k: oc.clip_by_global_norm(**k),
-        _norm_kwargs(MAX_NORMS), NORM_INVALID,
-        {"max_norm": 1.0}, norm_ord=lambda k: k["ord"]),
-    "clip_grad_norm": Spec(
-        "clip_grad_norm", lambda **k: oc.clip_grad_norm(**k),
-        st.fixed_dictionaries({
-            "max_norm": MAX_NORMS, "norm_type": st.sampled_from(ORDERS),
-            "error_if_nonfinite": st.booleans()}),
-        {"max_norm": NEGATIVE + NOT_NUMBERS, "norm_type": BAD_ORDERS,
-         "error_if_nonfinite": ["yes", None, 1], "specs": [P()]},
-        {"max_norm": 1.0}, norm_ord=lambda k: k["norm_type"]),
-    "adaptive_grad_clip": Spec(
-        "adaptive_grad_clip", lambda **k: oc.adaptive_grad_clip(**k),
-        st.fixed_dictionaries({"clipping": nonneg(10.0), "eps": nonneg(1.0),
-                               "axis": st.sampled_from([None, 0, -1])}),
-        {"clipping": NEGATIVE + NOT_NUMBERS + NOT_FINITE, "eps": NEGATIVE + NOT_FINITE,
-         "axis": [1.5, "0", jnp.asarray(0)], "axis_name": ["x"]},
-        {"clipping": 0.1}),
-    "auto_clip": Spec(
-        "auto_clip", lambda **k: oc.auto_clip(**k),
-        st.fixed_dictionaries({
-            "percentile": forms(st.floats(0, 100)),
-            "history": st.sampled_from([1, 2, 3, 8]),
-            "eps": st.one_of(st.just(0.0), nonneg(1e-3))}),
-        {"percentile": NEGATIVE + [101.0, jnp.asarray(-50.0), jnp.asarray(150.0)],
-         "history": [0, -1, jnp.asarray(0)] + BAD_INTS,
-         "eps": NEGATIVE + NOT_FINITE, "specs": [P()]},
-        {}, norm_ord=lambda k: 2,
-        adaptive=("norms", "position", "size")),
-    "zclip": Spec(
-        "zclip", lambda **k: oc.zclip(**k),
-        st.fixed_dictionaries({
-            "alpha": unit(), "z_thresh": nonneg(10.0),
-            "max_grad_norm": st.none() | MAX_NORMS,
-            "eps": nonneg(1e-3), "warmup_steps": st.sampled_from([1, 2, 3]),
-            "mode": st.sampled_from(["zscore", "percentile"]),
-            "clip_option": st.sampled_from(["adaptive_scaling", "mean"]),
-            "clip_factor": nonneg(10.0),
-            "skip_update_on_spike": st.booleans()}),
-        {"alpha": NEGATIVE + [2.0, jnp.asarray(2.0)], "z_thresh": NEGATIVE + NOT_FINITE,
-         "max_grad_norm": NEGATIVE, "eps": NEGATIVE + NOT_FINITE,
-         "warmup_steps": [0, -3, jnp.asarray(0)] + BAD_INTS,
-         "mode": ["z", None], "clip_option": ["max", None],
-         "clip_factor": NEGATIVE + NOT_FINITE, "skip_update_on_spike": ["yes", 1, None],
-         "specs": [P()]},
-        {}, norm_ord=lambda k: 2,
-        adaptive=("mean", "var", "warmup_norms", "collected")),
-    "adagc": Spec(
-        "adagc", lambda **k: oc.adagc(**k),
-        st.fixed_dictionaries({
-            "lambda_abs": nonneg(10.0) | st.just(math.inf), "lambda_rel": nonneg(10.0),
-            "beta": unit(), "warmup_steps": st.sampled_from([1, 2, 3]),
-            "eps": st.one_of(st.just(0.0), nonneg(1e-3))}),
-        {"lambda_abs": NEGATIVE, "lambda_rel": NEGATIVE + NOT_FINITE,
-         "beta": NEGATIVE + [1.5, jnp.asarray(-1.0), jnp.asarray(2.0)],
-         "warmup_steps": [0, jnp.asarray(0)] + BAD_INTS, "eps": NEGATIVE + NOT_FINITE,
-         "specs": [P()]},
-        {}, norm_ord=lambda k: 2, adaptive=("gamma",)),
-    "skip_step": Spec(
-        "skip_step", lambda inner, **k: oc.skip_step(
-            INNERS[inner] if isinstance(inner, str) and inner in INNERS else inner, **k),
-        st.fixed_dictionaries({
-            "inner": st.sampled_from(list(INNERS)),
-            "nonfinite": st.booleans(),
-            "max_norm": st.none() | MAX_NORMS,
-            "zscore": st.one_of(st.none(), nonneg(10.0)),
-            "ema_decay": unit(include_one=False),
-            "warmup_steps": st.sampled_from([0, 1, 2, 5]),
-            "ord": st.sampled_from(ORDERS)}),
-        {"inner": ["adam", None, optax.adam], "nonfinite": ["yes", 1, None],
-         "max_norm": NEGATIVE, "zscore": NEGATIVE,
-         "ema_decay": NEGATIVE + [1.0, 2.0, jnp.asarray(1.5)],
-         "warmup_steps": [-1, jnp.asarray(-1)] + BAD_INTS[:3], "ord": BAD_ORDERS,
-         "axis_name": [1.5], "specs": [P()]},
-        {"inner": "identity"}, norm_ord=lambda k: k["ord"],
-        adaptive=("norm_mean", "norm_var", "ema_count")),
-    "dynamic_loss_scale": Spec(
-        "dynamic_loss_scale", lambda **k: oc.dynamic_loss_scale(**k),
-        st.tuples(
-            forms(st.one_of(st.sampled_from([2.0**-20, 1.0, 2.0**15, 2.0**100,
-                                             2.0**126]),
-                            st.floats(1e-6, 1e30))),
-            st.sampled_from([1, 2, 3, 2000]),
-            forms(st.one_of(st.sampled_from([1.0, 2.0]), st.floats(1.0, 1e3))),
-            st.floats(0.01, 1.0),
-        ).map(lambda t: {"initial_scale": t[0], "period": t[1], "factor": t[2],
-                         "min_scale": float(t[0]) * t[3]}),
-        {"initial_scale": [0.0, jnp.asarray(0.0), 2.0**127] + NEGATIVE + NOT_FINITE +
-                          NOT_NUMBERS,
-         "period": [0, -1, jnp.asarray(0)] + BAD_INTS,
-         "factor": [0.5, 0.0, jnp.asarray(0.5)] + NEGATIVE + NOT_FINITE,
-         "min_scale": [0.0, jnp.asarray(0.0)] + NEGATIVE, "axis_name": [1.5]},
-        {}, cross=({"initial_scale": 1.0, "min_scale": jnp.asarray(2.0)},
-                   {"initial_scale": jnp.asarray(1.0), "min_scale": 2.0})),
-}
-NAMES = list(SPECS)
-
-
-def params_like(tree):
-  """Parameters for ``tree`` (AGC and adagc need them): 0.5 everywhere."""
-  return jax.tree.map(
-      lambda x: 0.5 if isinstance(x, float) else (
-          jnp.full_like(x, 0.5) if is_clippable(x) else x), tree)
-
-
 # ---------------------------------------------------------------------------
 # Construction: valid arguments build, invalid ones are named.
-
-
-@dataclasses.dataclass(frozen=True)
-class BadArg:
-  arg: str
-  value: Any
-
-
-def bad_arguments(spec: Spec) -> st.SearchStrategy:
-  return st.sampled_from([BadArg(arg, value) for arg, values in
-                          spec.invalid.items() for value in values])
-
 
 @pytest.mark.parametrize("name", NAMES)
 @fuzz_settings(40)
@@ -473,13 +119,12 @@ def test_injected_invalid_hyperparameters_are_named_at_init(name):
 # ---------------------------------------------------------------------------
 # Updates: finite in, finite out; states stable; NaN/Inf handled as promised.
 
-
 def expected_norm(spec: Spec, kwargs: dict, tree, loss_scale: float) -> float:
   ord = spec.norm_ord(kwargs)
   values = clippable(tree)
   if spec.per_leaf:
-    return max([p_norm([v], ord) for v in values], default=0.0)
-  return p_norm(values, ord) / loss_scale
+    return max([np_norm([v], ord) for v in values], default=0.0)
+  return np_norm(values, ord) / loss_scale
 
 
 def check_norm_clipping(spec, kwargs, tree, out) -> None:
@@ -495,7 +140,7 @@ def check_norm_clipping(spec, kwargs, tree, out) -> None:
            if is_clippable(b)]
   groups = [[pair] for pair in pairs] if spec.per_leaf else [pairs]
   for group in groups:
-    norm = p_norm([np.asarray(b, np.float64) for _, b in group], ord)
+    norm = np_norm([np.asarray(b, np.float64) for _, b in group], ord)
     factor = 1.0 if norm + eps <= max_norm else max_norm / (norm + eps)
     for a, b in group:
       dtype = jnp.float32 if isinstance(b, float) else b.dtype
@@ -697,30 +342,6 @@ def test_update_without_state_works_or_is_named(name):
     assert all_finite(out)
 
 
-def test_loss_scale_names_a_state_without_exactly_one_loss_scale():
-  params = {"w": jnp.ones(2)}
-  for tx in (optax.sgd(0.1), optax.chain(oc.dynamic_loss_scale(), oc.dynamic_loss_scale())):
-    with pytest.raises(ValueError, match="loss_scale"):
-      oc.loss_scale(tx.init(params))
-
-
-@fuzz_settings(40)
-@example(exponent=126, unit=np.ones(4, np.float32))  # the largest scale reached
-@given(exponent=st.integers(-24, 126), unit=hnp.arrays(
-    np.float32, (4,), elements=st.floats(0.5, 2, width=32)))
-def test_loss_scale_unscales_exactly_at_every_power_of_two(exponent, unit):
-  # Every scale the schedule can reach (at most 2**126, whose reciprocal is
-  # still a normal float) divides exactly: gradients come back as they were.
-  scale = 2.0**exponent
-  tx = oc.dynamic_loss_scale(scale, min_scale=min(scale, 1.0))
-  true = jnp.asarray(unit)
-  scaled = true * jnp.float32(scale)
-  assume(bool(jnp.all(jnp.isfinite(scaled))))
-  out, state = tx.update({"g": scaled}, tx.init(None))
-  np.testing.assert_array_equal(out["g"], true, err_msg=f"unscaled by 2**{exponent}")
-  assert int(state.overflow_count) == 0
-
-
 ADAPTIVE = {
     "auto_clip": lambda warmup: oc.auto_clip(50.0, history=8),
     "zclip": lambda warmup: oc.zclip(warmup_steps=warmup, max_grad_norm=None),
@@ -730,6 +351,13 @@ ADAPTIVE = {
 }
 
 
+@functools.cache
+def adaptive(name: str, warmup: int):
+  """The transform and its jitted update: one compile per setting."""
+  tx = ADAPTIVE[name](warmup)
+  return tx, jax.jit(tx.update)
+
+
 @pytest.mark.parametrize("name", list(ADAPTIVE))
 @fuzz_settings(10)
 @given(warmup=st.integers(1, 3), bad=st.integers(0, 4),
@@ -737,34 +365,19 @@ ADAPTIVE = {
 def test_adaptive_statistics_work_after_nonfinite_steps(name, warmup, bad, kind):
   # NaN/Inf steps (in the warm-up or after it) are left out of the
   # statistics; once enough finite steps came, a 100x spike is acted on.
-  tx = ADAPTIVE[name](warmup)
+  tx, update = adaptive(name, warmup)
   grads = {"w": jnp.asarray([0.6, -0.8, 0.1]), "b": jnp.asarray([0.3, 0.2])}
   state = tx.init(grads)
   for _ in range(bad):
-    _, state = tx.update({**grads, "w": grads["w"].at[0].set(kind)}, state)
+    _, state = update({**grads, "w": grads["w"].at[0].set(kind)}, state)
   for k in range(warmup + 3):  # norms around 1, with some spread
-    _, state = tx.update(jax.tree.map(lambda g: g * (1 + 0.1 * (k % 3)), grads), state)
+    _, state = update(jax.tree.map(lambda g: g * (1 + 0.1 * (k % 3)), grads), state)
   spike = jax.tree.map(lambda g: g * 100.0, grads)
-  out, state = tx.update(spike, state)
+  out, state = update(spike, state)
   assert all_finite(out)
   assert all(np.isfinite(float(v)) for v in oc.stats(state).values()), oc.stats(state)
-  assert p_norm(clippable(out), 2) < 0.5 * p_norm(clippable(spike), 2), (
+  assert np_norm(clippable(out), 2) < 0.5 * np_norm(clippable(spike), 2), (
       f"a 100x spike passed after {bad} NaN/Inf steps: {oc.stats(state)}")
-
-
-@pytest.mark.parametrize("params", [
-    {"v": jnp.ones((2, 3)), "b": jnp.ones(3)},  # same leaves, other keys
-    {"w": jnp.ones((3, 2)), "b": jnp.ones(3)},  # other shapes
-    {"w": jnp.ones((2, 3)), "b": jnp.ones(3), "c": jnp.ones(2)},  # more leaves
-])
-def test_adaptive_grad_clip_names_mismatched_params(params):
-  grads = {"w": jnp.ones((2, 3)), "b": jnp.ones(3)}
-  tx = oc.adaptive_grad_clip(0.1)
-  for clip in (lambda g, p: tx.update(g, tx.init(p), p),
-               lambda g, p: F.adaptive_grad_clip(g, p, 0.1)):
-    with pytest.raises((ValueError, TypeError)) as info:
-      clip(grads, params)
-    assert_named_error(info.value, "adaptive_grad_clip", "params")
 
 
 # ---------------------------------------------------------------------------
@@ -827,73 +440,6 @@ def test_gradient_through_transform_is_finite(name, history, steps, point, ord):
   gradient = gradient_fn(jax.tree.map(lambda x: x * point, grads), state, params)
   assert all_finite(gradient), (
       f"NaN/Inf gradient at {point} after {steps} steps of {history}")
-
-
-# ---------------------------------------------------------------------------
-# The functional layer.
-
-
-@fuzz_settings(100)
-@example(case=Case("f32", [np.array([1.0, 0, 0, 0, 0]), np.zeros((2, 2))], "nan",
-                   (0, 1)), ord=0.5)  # issue 11, item 4
-@given(case=cases(), ord=st.sampled_from(ORDERS))
-def test_global_norm_is_the_true_norm_and_propagates_nan_inf(case, ord):
-  tree = case.tree(inject=True)
-  norm = float(F.global_norm(tree, ord))
-  values = clippable(tree)
-  if any(np.any(np.isnan(v)) for v in values):
-    assert math.isnan(norm), f"NaN vanished from the {ord}-norm: {norm}"
-  elif not all_finite(tree):
-    assert norm == math.inf, f"Inf vanished from the {ord}-norm: {norm}"
-  else:
-    want = p_norm(values, ord)
-    assert abs(norm - want) <= 2e-5 * want + 1e-36, (norm, want)
-  assert bool(F.all_finite(tree)) == all_finite(tree)
-
-
-@fuzz_settings(25)
-@given(case=cases(templates=("mixed", "f32", "bf16")), ord=st.sampled_from(ORDERS))
-def test_global_norm_gradient_is_finite(case, ord):
-  tree = case.tree()
-  gradient = jax.grad(lambda t: F.global_norm(t, ord))(
-      jax.tree.map(lambda x: x if is_clippable(x) else None, tree))
-  assert all_finite(gradient), f"NaN/Inf in the gradient of the {ord}-norm"
-
-
-@fuzz_settings(30)
-@given(data=st.data())
-def test_per_example_clipping_matches_float64(data):
-  exponent = data.draw(st.sampled_from([-30, -8, 0, 5, 30]))
-  shapes = [((3, 2, 2), F32), ((3, 2), BF16), ((3,), F16)]
-  leaves = []
-  for shape, dtype in shapes:
-    unit = data.draw(hnp.arrays(np.float64, shape, elements=st.floats(-1, 1)))
-    leaves.append(jnp.asarray(cast(unit * 10.0**exponent, dtype), dtype))
-  tree = {"w": leaves[0], "b": leaves[1], "h": leaves[2],
-          "i": jnp.arange(3), "n": None}
-  max_norm = data.draw(st.one_of(st.just(0.0), st.floats(1e-3, 1e3),
-                                 st.just(math.inf)))
-  summed, num_clipped, norms = F.per_example_clip_by_global_norm(tree, max_norm)
-  rows = [[np.asarray(x[i], np.float64) for x in leaves] for i in range(3)]
-  want = np.array([p_norm(r, 2) for r in rows])
-  np.testing.assert_allclose(norms, want, rtol=2e-5, atol=1e-36)
-  factors = np.where(want > max_norm, max_norm / np.where(want > 0, want, 1), 1.0)
-  assert int(num_clipped) == int(np.sum(factors < 1))
-  for key, x in (("w", leaves[0]), ("b", leaves[1]), ("h", leaves[2])):
-    info = jnp.finfo(x.dtype)
-    ref = np.tensordot(factors, np.asarray(x, np.float64), axes=1)
-    assert summed[key].dtype == x.dtype
-    # A sum beyond the leaf dtype's range (3 x 65504 in float16) is Inf.
-    representable = np.abs(ref) < float(info.max)
-    got = np.asarray(summed[key], np.float64)
-    assert np.all(np.isfinite(got[representable]))
-    bound = np.tensordot(factors, np.abs(np.asarray(x, np.float64)), axes=1)
-    np.testing.assert_allclose(
-        got[representable], ref[representable],
-        rtol=0, atol=float(np.max(bound, initial=0)) * 1e-2 + float(info.tiny))
-  np.testing.assert_array_equal(summed["i"], tree["i"])
-  layer = F.per_example_clip_by_layer_norm(tree, max_norm)
-  assert all(all_finite(v) for v in jax.tree.leaves(layer.summed))
 
 
 # ---------------------------------------------------------------------------

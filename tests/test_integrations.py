@@ -6,29 +6,16 @@ Each test trains a few steps of a tiny model and checks the clipping and
 ``optaxclip.stats`` against values computed independently.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import CLIP_KEYS, keys, np_norm
 
 import optaxclip as oc
-
-CLIP_KEYS = {"norm", "scale", "count", "clipped_count", "nonfinite_count",
-             "clip_rate"}
-ZCLIP_KEYS = {"norm", "mean", "std", "z", "threshold", "scale", "count",
-              "clipped_count", "spike_count", "nonfinite_count", "clip_rate"}
-SKIP_KEYS = {"norm", "count", "skipped_count", "forced_count",
-             "nonfinite_count", "max_norm_count", "zscore_count", "ema_count", "norm_mean",
-             "norm_var", "norm_std", "skip_rate", "skipped_by_norm",
-             "skipped_by_loss", "loss", "loss_zscore", "loss_zscore_count",
-             "loss_nonfinite_count", "loss_ema_count", "loss_mean", "loss_var",
-             "loss_std", "update_norm", "update_mean", "update_std",
-             "update_zscore_count", "skipped_by_update"}
-
-
-def keys(prefix, fields):
-  return {f"{prefix}/{f}" for f in fields}
 
 
 def regression_data(n=32, d_in=4, d_out=2, seed=0):
@@ -190,20 +177,24 @@ def _assert_trees_close(actual, expected):
                actual, expected)
 
 
-def _f64_norm(leaf):
-  return np.linalg.norm(np.asarray(leaf, np.float64).ravel())
-
-
 def _with_gradients(scanned_and_twin):
   """``(params, grads)`` of the scanned model and of its twin."""
   (params, loss), (twin_params, twin_loss) = scanned_and_twin
   return (params, jax.grad(loss)(params)), (twin_params, jax.grad(twin_loss)(twin_params))
 
 
+@functools.cache
+def _gradients_of(library):
+  """`_with_gradients` of the nnx or the Linen models, built once for the
+  tests that share them (their arrays are never written to)."""
+  if library == "nnx":
+    return _with_gradients(_scanned_and_twin(pytest.importorskip("flax.nnx")))
+  return _with_gradients(_linen_scanned_and_twin(pytest.importorskip("flax.linen")))
+
+
 @pytest.mark.parametrize("clip", sorted(SCAN_CLIPS))
 def test_nnx_scan_layer_norms_and_step_match_unscanned_twin(clip):
-  nnx = pytest.importorskip("flax.nnx")
-  (params, grads), (twin_params, twin_grads) = _with_gradients(_scanned_and_twin(nnx))
+  (params, grads), (twin_params, twin_grads) = _gradients_of("nnx")
   # The scan and the unrolled loop compute the same gradients, per layer.
   _assert_trees_close(_unstack(grads), twin_grads)
 
@@ -221,7 +212,7 @@ def test_nnx_scan_layer_norms_and_step_match_unscanned_twin(clip):
   assert len(layer_keys) == 2 * SCAN_LAYERS  # kernel and bias, per layer
   for i in range(SCAN_LAYERS):
     for name in ("kernel", "bias"):
-      reference = _f64_norm(twin_grads["blocks"][i]["lin"][name])
+      reference = np_norm([twin_grads["blocks"][i]["lin"][name]])
       scanned_norm = stats[f"clip/leaf_norm/blocks/lin/{name}/{i}"]
       np.testing.assert_allclose(scanned_norm, reference, rtol=1e-5)
       np.testing.assert_allclose(scanned_norm,
@@ -241,7 +232,7 @@ def test_nnx_scan_layer_norms_and_step_match_unscanned_twin(clip):
   _assert_trees_close(_unstack(updated), twin_updated)
   # Independently: each twin leaf moved by -0.1 * its clipped gradient.
   def clipped(g):
-    return np.asarray(g, np.float64) * min(1.0, SCAN_MAX_NORM / _f64_norm(g))
+    return np.asarray(g, np.float64) * min(1.0, SCAN_MAX_NORM / np_norm([g]))
   if clip == "clip_by_norm":
     expected = jax.tree.map(lambda p, g: np.asarray(p, np.float64) - 0.1 * clipped(g),
                             twin_params, twin_grads)
@@ -306,8 +297,7 @@ def _linen_unstack(tree):
 
 @pytest.mark.parametrize("clip", sorted(SCAN_CLIPS))
 def test_linen_scan_layer_norms_and_step_match_unscanned_twin(clip):
-  nn = pytest.importorskip("flax.linen")
-  (params, grads), (twin_params, twin_grads) = _with_gradients(_linen_scanned_and_twin(nn))
+  (params, grads), (twin_params, twin_grads) = _gradients_of("linen")
   # The scan and the unrolled loop compute the same gradients, per layer.
   _assert_trees_close(_linen_unstack(grads), twin_grads)
 
@@ -327,16 +317,16 @@ def test_linen_scan_layer_norms_and_step_match_unscanned_twin(clip):
     for name in ("kernel", "bias"):
       scanned_norm = stats[f"clip/leaf_norm/params/blocks/lin/{name}/{i}"]
       np.testing.assert_allclose(
-          scanned_norm, _f64_norm(twin_grad_leaves[f"blocks_{i}"]["lin"][name]),
+          scanned_norm, np_norm([twin_grad_leaves[f"blocks_{i}"]["lin"][name]]),
           rtol=1e-5)
       np.testing.assert_allclose(
           scanned_norm, twin_stats[f"clip/leaf_norm/params/blocks_{i}/lin/{name}"],
           rtol=1e-5)
   for name in ("kernel", "bias"):
     np.testing.assert_allclose(stats[f"clip/leaf_norm/params/head/{name}"],
-                               _f64_norm(twin_grad_leaves["head"][name]), rtol=1e-5)
+                               np_norm([twin_grad_leaves["head"][name]]), rtol=1e-5)
   # clip/norm: the global norm, or (clip_by_norm) the largest layer's norm.
-  twin_norms = [_f64_norm(g) for g in jax.tree.leaves(twin_grads)]
+  twin_norms = [np_norm([g]) for g in jax.tree.leaves(twin_grads)]
   global_norm = np.sqrt(sum(n ** 2 for n in twin_norms))
   np.testing.assert_allclose(stats["clip/norm"], twin_stats["clip/norm"], rtol=1e-5)
   np.testing.assert_allclose(
@@ -352,7 +342,7 @@ def test_linen_scan_layer_norms_and_step_match_unscanned_twin(clip):
   _assert_trees_close(_linen_unstack(updated),
                       optax.apply_updates(twin_params, twin_updates))
   def scale(g):
-    norm = _f64_norm(g) if clip == "clip_by_norm" else global_norm
+    norm = np_norm([g]) if clip == "clip_by_norm" else global_norm
     max_norm = SCAN_MAX_NORM if clip == "clip_by_norm" else 1.0
     return min(1.0, max_norm / norm)
   expected = jax.tree.map(
@@ -362,8 +352,7 @@ def test_linen_scan_layer_norms_and_step_match_unscanned_twin(clip):
 
 
 def test_linen_scan_adaptive_grad_clip_matches_unscanned_twin():
-  nn = pytest.importorskip("flax.linen")
-  (params, grads), (twin_params, twin_grads) = _with_gradients(_linen_scanned_and_twin(nn))
+  (params, grads), (twin_params, twin_grads) = _gradients_of("linen")
 
   tx = oc.adaptive_grad_clip(0.01, layer_axis=LINEN_LAYER_AXIS)
   updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
@@ -622,73 +611,3 @@ def test_orbax_checkpoint_round_trip_is_bit_identical(tmp_path):
       stats["skip/skipped_count"])
   assert int(stats["skip/count"]) == n + m
   assert int(out[1].inner_state[0].collected) >= 3  # past the warm-up
-
-
-# ------------------------------------------------------------- stats key sets
-
-def _inject_clip():
-  return optax.inject_hyperparams(oc.clip_by_global_norm)(max_norm=1.0)
-
-
-STATS_CASES = {
-    "chain": (
-        lambda: optax.chain(oc.clip_by_global_norm(1.0),
-                            oc.clip_by_global_norm(2.0), optax.adam(1e-3)),
-        keys("clip", CLIP_KEYS) | keys("clip_1", CLIP_KEYS)),
-    "named_chain": (
-        lambda: optax.named_chain(("clipping", oc.clip_by_global_norm(1.0)),
-                                  ("spikes", oc.zclip(warmup_steps=2)),
-                                  ("opt", optax.adam(1e-3))),
-        keys("clipping/clip", CLIP_KEYS) | keys("spikes/zclip", ZCLIP_KEYS)),
-    "masked": (
-        lambda: optax.masked(optax.chain(oc.clip_by_global_norm(1.0),
-                                         optax.sgd(0.1)),
-                             {"a": True, "b": False}),
-        keys("clip", CLIP_KEYS)),
-    "partition": (
-        lambda: optax.partition(
-            {"x": optax.chain(oc.clip_by_global_norm(1.0), optax.sgd(0.1)),
-             "y": oc.zclip(warmup_steps=2)},
-            {"a": "x", "b": "y"}),
-        keys("x/clip", CLIP_KEYS) | keys("y/zclip", ZCLIP_KEYS)),
-    "multisteps": (
-        lambda: optax.MultiSteps(
-            optax.chain(oc.clip_by_global_norm(1.0), optax.sgd(0.1)), 2),
-        keys("clip", CLIP_KEYS)),
-    "inject_hyperparams": (
-        lambda: optax.chain(_inject_clip(), optax.sgd(0.1)),
-        keys("clip", CLIP_KEYS)),
-    "skip_step": (
-        lambda: oc.skip_step(optax.chain(oc.clip_by_global_norm(1.0),
-                                         optax.adam(1e-3)), max_norm=10.0),
-        keys("skip", SKIP_KEYS) | keys("clip", CLIP_KEYS)),
-    "skip_step_named_chain": (
-        lambda: oc.skip_step(optax.named_chain(
-            ("z", oc.zclip(warmup_steps=2)), ("c", oc.clip_grad_norm(1.0)),
-            ("opt", optax.adamw(1e-3)))),
-        keys("skip", SKIP_KEYS) | keys("z/zclip", ZCLIP_KEYS)
-        | keys("c/clip", CLIP_KEYS)),
-    "multisteps_of_skip_step": (
-        lambda: optax.MultiSteps(oc.skip_step(optax.chain(
-            oc.clip_by_global_norm(1.0), oc.clip_by_value(0.5),
-            optax.sgd(0.1)), zscore=6.0), 2),
-        keys("skip", SKIP_KEYS) | keys("clip", CLIP_KEYS)),
-}
-
-
-@pytest.mark.parametrize("case", sorted(STATS_CASES))
-def test_stats_key_sets(case):
-  make, expected = STATS_CASES[case]
-  tx = make()
-  params = {"a": jnp.ones(3), "b": jnp.ones(2)}
-  grads = {"a": jnp.array([3.0, 0.0, 4.0]), "b": jnp.array([1.0, -1.0])}
-  state = tx.init(params)
-  assert set(oc.stats(state)) == expected  # at init
-  update = jax.jit(tx.update)
-  for _ in range(3):
-    _, state = update(grads, state, params)
-    stats = oc.stats(state)
-    assert set(stats) == expected
-    assert set(jax.jit(oc.stats)(state)) == expected
-    for v in stats.values():
-      assert isinstance(v, jax.Array) and v.shape == ()

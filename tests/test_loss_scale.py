@@ -1072,3 +1072,89 @@ def test_injected_schedule_settings_are_traced_and_clamped():
       2.0**9, period=3), hysteresis=0, growth_delay=-3)
   plain, _ = states(dynamic_loss_scale(2.0**9, period=3))
   assert [r["loss_scale/scale"] for r in clamped] == [r["loss_scale/scale"] for r in plain]
+
+
+# Moved from test_fuzz.py and test_arguments.py: ``loss_scale(state)``
+# without exactly one loss-scale state, exact unscaling at every power of two
+# (hypothesis), a traced initial scale, and any clipper put before the loss
+# scaling (refused, or given the true gradients).
+
+import hypothesis.extra.numpy as hnp  # noqa: E402
+from fuzzing import fuzz_settings  # noqa: E402
+from hypothesis import assume, example  # noqa: E402
+
+
+def test_loss_scale_names_a_state_without_exactly_one_loss_scale():
+  params = {"w": jnp.ones(2)}
+  for tx in (optax.sgd(0.1), optax.chain(oc.dynamic_loss_scale(), oc.dynamic_loss_scale())):
+    with pytest.raises(ValueError, match="loss_scale"):
+      oc.loss_scale(tx.init(params))
+
+
+@fuzz_settings(40)
+@example(exponent=126, unit=np.ones(4, np.float32))  # the largest scale reached
+@given(exponent=st.integers(-24, 126), unit=hnp.arrays(
+    np.float32, (4,), elements=st.floats(0.5, 2, width=32)))
+def test_loss_scale_unscales_exactly_at_every_power_of_two(exponent, unit):
+  # Every scale the schedule can reach (at most 2**126, whose reciprocal is
+  # still a normal float) divides exactly: gradients come back as they were.
+  scale = 2.0**exponent
+  tx = oc.dynamic_loss_scale(scale, min_scale=min(scale, 1.0))
+  true = jnp.asarray(unit)
+  scaled = true * jnp.float32(scale)
+  assume(bool(jnp.all(jnp.isfinite(scaled))))
+  out, state = tx.update({"g": scaled}, tx.init(None))
+  np.testing.assert_array_equal(out["g"], true, err_msg=f"unscaled by 2**{exponent}")
+  assert int(state.overflow_count) == 0
+
+
+def test_traced_initial_scale_acts_as_one():
+  params = {"w": jnp.array([[1.0, -2.0], [0.5, 1.0]]), "b": jnp.array([0.1, 0.0])}
+  tx = optax.inject_hyperparams(oc.dynamic_loss_scale)(initial_scale=-4.0)
+  with pytest.raises(ValueError, match="initial_scale"):
+    tx.init(params)  # eager: concrete, checked
+  state = jax.jit(tx.init)(params)  # traced: clamped
+  assert float(oc.loss_scale(state)) == 1.0
+
+
+CLIPPERS_OF_ANY_KIND = {
+    "clip_by_global_norm": lambda: oc.clip_by_global_norm(1.0),
+    "clip_by_norm": lambda: oc.clip_by_norm(1.0),
+    "clip_grad_norm": lambda: oc.clip_grad_norm(1.0),
+    "clip_by_value": lambda: oc.clip_by_value(0.5),
+    "adaptive_grad_clip": lambda: oc.adaptive_grad_clip(1.0),
+    "auto_clip": lambda: oc.auto_clip(50.0, history=4),
+    "zclip": lambda: oc.zclip(warmup_steps=2),
+    "adagc": lambda: oc.adagc(warmup_steps=2),
+}
+
+
+@pytest.mark.parametrize("name", list(CLIPPERS_OF_ANY_KIND))
+def test_clipper_before_loss_scale_is_rejected_or_correct(name):
+  # The clipper would see the scaled gradients: refused before any update
+  # is applied (at init, reading the scale, or updating), or the updates are
+  # those of the same clipper on the true gradients.
+  scale = 2.0**10
+  tx = optax.chain(CLIPPERS_OF_ANY_KIND[name](), oc.dynamic_loss_scale(scale, period=1000),
+                   optax.sgd(1.0))
+  reference = optax.chain(CLIPPERS_OF_ANY_KIND[name](), optax.sgd(1.0))
+  params = {"w": jnp.full((2, 3), 2.0), "b": jnp.full(3, 2.0)}
+  rng = np.random.default_rng(0)
+  true = {k: jnp.asarray(rng.normal(size=v.shape) * 0.1, jnp.float32)
+          for k, v in params.items()}
+  try:
+    state = tx.init(params)
+    scaled = jax.tree.map(lambda g: g * oc.loss_scale(state), true)
+    updates, state = tx.update(scaled, state, params)
+  except (ValueError, TypeError) as error:
+    assert "dynamic_loss_scale" in str(error), str(error)
+    return
+  ref_state = reference.init(params)
+  for _ in range(3):
+    want, ref_state = reference.update(true, ref_state, params)
+    for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(want)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7,
+                                 err_msg="the clipper saw the scaled gradients")
+    true = jax.tree.map(lambda g: g * 1.5, true)
+    scaled = jax.tree.map(lambda g: g * oc.loss_scale(state), true)
+    updates, state = tx.update(scaled, state, params)

@@ -1,28 +1,37 @@
-"""Per-example clipping: optax's numbers, per-example norms, jit/vmap, dtypes.
+"""per_example_clip_by_global_norm and per_example_clip_by_layer_norm
+(``optaxclip.functional``): optax's numbers, per-example norms against
+float64 numpy (random trees too), ``layer_axis``, jit/vmap, dtypes, an inf
+threshold, shard_map and sharded jit.
 
 Of the shared contract, the items about transform states (state types,
 checkpoints, optax.chain / MultiSteps / inject_hyperparams) do not apply:
-these are stateless functions. Dtypes, ShapeDtypeStruct inputs, eager == jit
-and bad arguments are tested here.
+these are stateless functions. Dtypes, ShapeDtypeStruct inputs and eager ==
+jit are tested here; bad arguments are rows of test_errors.py.
 """
 
 import math
 
+import hypothesis.extra.numpy as hnp
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from conftest import FLOAT_DTYPES
+from fuzzing import BF16, F16, F32, cast, fuzz_settings
+from helpers import hlo_ops, np_norm
+from hypothesis import given
+from hypothesis import strategies as st
 from jax import lax, shard_map
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from optaxclip._per_example import (
-  PerExampleClip,
-  per_example_clip_by_global_norm,
-  per_example_clip_by_layer_norm,
-)
+import optaxclip as oc
+
+F = oc.functional
+PerExampleClip = F.PerExampleClip
+per_example_clip_by_global_norm = F.per_example_clip_by_global_norm
+per_example_clip_by_layer_norm = F.per_example_clip_by_layer_norm
 
 BATCH = 16
 
@@ -398,7 +407,6 @@ def test_shard_map_with_the_batch_split(name):
 @pytest.mark.parametrize("name", list(DP_FUNCTIONS))
 def test_one_all_reduce_with_the_batch_split(name):
   # Every example's partial sums, of every leaf, travel in one vector.
-  from test_distributed import hlo_ops
   mesh = jax.make_mesh((2, 4), DP_AXES)
   fn = DP_FUNCTIONS[name]
   f = shard_map(lambda g: fn(g, axis_name=DP_AXES, specs=DP_SPECS).norms, mesh=mesh,
@@ -428,3 +436,64 @@ def test_global_norms_of_many_leaves_of_two_dtypes():
     rtol = 1e-6 if grads[0].dtype == got.dtype else 4e-3
     np.testing.assert_allclose(got, factors @ g, rtol=rtol,
                                atol=rtol * np.max(factors @ np.abs(g)))
+
+
+# --------------------------------------------------------------------------
+# Subnormal entries, an inf threshold, random trees (hypothesis)
+
+def test_subnormal_per_example_norms():
+  rows = jnp.asarray([[1e-40, 1e-40], [3.0, 4.0], [0.0, 0.0]], jnp.float32)
+  norms = F.per_example_clip_by_global_norm([rows], 1.0).norms
+  np.testing.assert_allclose(norms, [np.sqrt(2) * np.float32(1e-40), 5, 0],
+                             rtol=1e-5, atol=2.0 ** -148)
+
+
+def test_per_example_inf_threshold_is_unchanged():
+  # optax's per-example clip keeps an example whose factor is NaN (inf/inf):
+  # its Inf reaches the sum.
+  grads = [jnp.array([[3.0, 4.0], [jnp.inf, 1.0]])]
+  summed, num_clipped, _ = F.per_example_clip_by_global_norm(grads, math.inf)
+  reference, _ = optax.per_example_global_norm_clip(grads, math.inf)
+  np.testing.assert_array_equal(summed[0], reference[0])
+  assert int(num_clipped) == 0
+
+
+@fuzz_settings(30)
+@given(data=st.data())
+def test_per_example_clipping_matches_float64(data):
+  exponent = data.draw(st.sampled_from([-30, -8, 0, 5, 30]))
+  shapes = [((3, 2, 2), F32), ((3, 2), BF16), ((3,), F16)]
+  leaves = []
+  for shape, dtype in shapes:
+    unit = data.draw(hnp.arrays(np.float64, shape, elements=st.floats(-1, 1)))
+    leaves.append(jnp.asarray(cast(unit * 10.0**exponent, dtype), dtype))
+  tree = {"w": leaves[0], "b": leaves[1], "h": leaves[2],
+          "i": jnp.arange(3), "n": None}
+  max_norm = data.draw(st.one_of(st.just(0.0), st.floats(1e-3, 1e3),
+                                 st.just(math.inf)))
+  summed, num_clipped, norms = F.per_example_clip_by_global_norm(tree, max_norm)
+  rows = [[np.asarray(x[i], np.float64) for x in leaves] for i in range(3)]
+  want = np.array([np_norm(r, 2) for r in rows])
+  np.testing.assert_allclose(norms, want, rtol=2e-5, atol=1e-36)
+  factors = np.where(want > max_norm, max_norm / np.where(want > 0, want, 1), 1.0)
+  assert int(num_clipped) == int(np.sum(factors < 1))
+  for key, x in (("w", leaves[0]), ("b", leaves[1]), ("h", leaves[2])):
+    info = jnp.finfo(x.dtype)
+    ref = np.tensordot(factors, np.asarray(x, np.float64), axes=1)
+    assert summed[key].dtype == x.dtype
+    # A sum beyond the leaf dtype's range (3 x 65504 in float16) is Inf.
+    representable = np.abs(ref) < float(info.max)
+    got = np.asarray(summed[key], np.float64)
+    assert np.all(np.isfinite(got[representable]))
+    bound = np.tensordot(factors, np.abs(np.asarray(x, np.float64)), axes=1)
+    np.testing.assert_allclose(
+        got[representable], ref[representable],
+        rtol=0, atol=float(np.max(bound, initial=0)) * 1e-2 + float(info.tiny))
+  np.testing.assert_array_equal(summed["i"], tree["i"])
+  layer = F.per_example_clip_by_layer_norm(tree, max_norm)
+  for key, x in (("w", leaves[0]), ("b", leaves[1]), ("h", leaves[2])):
+    got = np.asarray(layer.summed[key], np.float64)
+    # Factors <= 1: a sum is at most the sum of |x|, and Inf only where that
+    # is beyond the leaf dtype's range (3 x 65504 in float16); never NaN.
+    within = np.sum(np.abs(np.asarray(x, np.float64)), axis=0) < float(jnp.finfo(x.dtype).max)
+    assert not np.any(np.isnan(got)) and np.all(np.isfinite(got[within])), (key, got)

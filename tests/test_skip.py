@@ -1340,3 +1340,41 @@ def test_what_the_update_norm_costs():
   assert measured - without == pytest.approx(9.0, abs=0.01)
   assert guarded - without == pytest.approx(14.0, abs=0.01)
   assert window - without < 0.01  # O(window) scalars, no pass
+
+
+# Moved from test_granular.py: leaf_norms and layer_axis (per-leaf and
+# per-layer norms in the statistics, unscaled under loss scaling)
+
+from helpers import (  # noqa: E402
+  LAYER_AXIS,
+  assert_norm_tree,
+  expected_norm_tree,
+  norm_of_named,
+  stacked_gradients,
+)
+
+
+@pytest.mark.parametrize("layer_axis", [None, LAYER_AXIS], ids=["leaf", "layer"])
+def test_skip_step_keeps_leaf_norms(layer_axis):
+  grads = stacked_gradients()
+  tx = oc.skip_step(optax.sgd(1.0), leaf_norms=True, layer_axis=layer_axis)
+  state = jax.jit(tx.update)(grads, tx.init(grads), grads)[1]
+  assert_norm_tree(state.stats.leaf_norms,
+                   expected_norm_tree(grads, 2, layer_axis is not None))
+  np.testing.assert_allclose(state.stats.norm, norm_of_named(grads), rtol=2e-6)
+  keys = [k for k in oc.stats(state) if "/leaf_norm/" in k]
+  assert keys and all(k.startswith("skip/leaf_norm/") for k in keys)
+  # Off by default: nothing kept.
+  assert oc.skip_step(optax.sgd(1.0)).init(grads).stats.leaf_norms is None
+
+
+def test_skip_step_leaf_norms_are_unscaled_under_loss_scaling():
+  grads = stacked_gradients()
+  tx = oc.skip_step(optax.chain(oc.dynamic_loss_scale(2.0 ** 10), optax.sgd(1.0)),
+                    leaf_norms=True)
+  state = tx.init(grads)
+  scaled = jax.tree.map(lambda x: x * 2.0 ** 10
+                        if jnp.issubdtype(x.dtype, jnp.floating) else x, grads)
+  state = jax.jit(tx.update)(scaled, state, grads)[1]
+  assert_norm_tree(state.stats.leaf_norms,
+                   expected_norm_tree(grads, 2, False), rtol=2e-6)

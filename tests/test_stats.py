@@ -1,14 +1,33 @@
-"""optaxclip.stats finds every optaxclip state inside any optax state."""
+"""optaxclip.stats finds every optaxclip state inside any optax state and
+names its statistics: flat, unique keys of scalars (per leaf and per layer
+for ``leaf_norms``), the same at init, after updates and under jit.
+
+The statistics of each transform's own state are checked in its file (each
+``test_stats_report_*``); inside Flax, Equinox and optax's wrappers in
+test_integrations.py.
+"""
+
+import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import (
+  CLIP_KEYS,
+  LAYER_AXIS,
+  SKIP_KEYS,
+  ZCLIP_KEYS,
+  keys,
+  np_leaf_norm,
+  stacked_gradients,
+)
+from helpers import run as run_once
 
 import optaxclip as oc
 
-FIELDS = {"norm", "scale", "count", "clipped_count", "nonfinite_count", "clip_rate"}
 PARAMS = {"w": jnp.array([3.0, 4.0]), "b": jnp.array([12.0])}
 
 
@@ -22,7 +41,7 @@ def run(tx, steps=2):
 
 def test_single_clipper_in_a_chain():
   found = oc.stats(run(optax.chain(oc.clip_by_global_norm(1.0), optax.adam(1e-3))))
-  assert set(found) == {f"clip/{f}" for f in FIELDS}
+  assert set(found) == {f"clip/{f}" for f in CLIP_KEYS}
   np.testing.assert_allclose(found["clip/norm"], 13.0, rtol=1e-6)
   np.testing.assert_allclose(found["clip/scale"], 1 / 13.0, rtol=1e-6)
   assert found["clip/count"] == 2 and found["clip/clipped_count"] == 2
@@ -56,7 +75,7 @@ def test_named_chain_and_partition_labels_lead_the_keys():
 ])
 def test_found_through_wrappers(wrap):
   found = oc.stats(run(wrap(optax.chain(oc.clip_by_global_norm(1.0), optax.sgd(0.1))), 1))
-  assert set(found) == {f"clip/{f}" for f in FIELDS}
+  assert set(found) == {f"clip/{f}" for f in CLIP_KEYS}
   assert found["clip/count"] == 1
 
 
@@ -71,3 +90,146 @@ def test_found_through_inject_hyperparams_and_under_jit():
 def test_nothing_to_report():
   assert oc.stats(run(optax.adam(1e-3))) == {}
   assert oc.stats(run(optax.chain(oc.clip_by_value(1.0), optax.sgd(0.1)))) == {}
+
+
+# --------------------------------------------------------------------------
+# Keys of leaf_norms: by tree path (and layer), for every kind of node
+
+def test_stats_keys_name_every_leaf_and_layer():
+  grads = stacked_gradients()
+  tx = optax.chain(oc.clip_by_global_norm(1.0, leaf_norms=True,
+                                          layer_axis=LAYER_AXIS), optax.sgd(0.1))
+  _, state = run_once(tx, grads)
+  found = oc.stats(state)
+  leaf_keys = sorted(k for k in found if "/leaf_norm/" in k)
+  assert leaf_keys == sorted(
+      [f"clip/leaf_norm/layers/attn/kernel/{i}" for i in range(4)]
+      + [f"clip/leaf_norm/layers/mlp/0/{i}" for i in range(4)]
+      + [f"clip/leaf_norm/layers/mlp/1/{i}" for i in range(4)]
+      + ["clip/leaf_norm/emb", "clip/leaf_norm/bias"])
+  kernel = np_leaf_norm(grads["layers"]["attn"]["kernel"], 2, 0)
+  np.testing.assert_allclose(found["clip/leaf_norm/layers/attn/kernel/3"], kernel[3],
+                             rtol=1e-6)
+  assert all(v.shape == () for v in found.values())
+
+
+@dataclasses.dataclass
+class Block:
+  kernel: jax.Array
+  scale: jax.Array
+
+
+jax.tree_util.register_dataclass(Block, data_fields=["kernel", "scale"], meta_fields=[])
+
+
+class Pair(NamedTuple):
+  first: jax.Array
+  second: jax.Array
+
+
+def test_stats_keys_of_attributes_and_named_tuples():
+  grads = {"block": Block(jnp.ones((2, 3)), jnp.ones(3)),
+           "pair": Pair(jnp.ones(2), jnp.ones(2)), "list": [jnp.ones(2)]}
+  tx = oc.clip_by_norm(1.0, leaf_norms=True, layer_axis={"block": Block(0, None),
+                                                         "pair": None, "list": None})
+  _, state = run_once(tx, grads)
+  assert sorted(k for k in oc.stats(state) if "leaf_norm" in k) == [
+      "clip/leaf_norm/block/kernel/0", "clip/leaf_norm/block/kernel/1",
+      "clip/leaf_norm/block/scale", "clip/leaf_norm/list/0",
+      "clip/leaf_norm/pair/first", "clip/leaf_norm/pair/second"]
+
+
+def test_stats_keys_of_a_flax_nnx_state():
+  nnx = pytest.importorskip("flax.nnx")
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.attn = nnx.Linear(2, 3, rngs=rngs)
+      self.out = nnx.Linear(3, 1, rngs=rngs)
+
+    def __call__(self, x):
+      return self.out(self.attn(x))
+
+  model = Model(nnx.Rngs(0))
+  grads = nnx.grad(lambda m: jnp.sum(m(jnp.ones((4, 2))) ** 2))(model)
+  tx = oc.clip_by_global_norm(1.0, leaf_norms=True)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  optimizer.update(model, grads)
+  found = oc.stats(optimizer.opt_state)
+  # A Variable's `.value` is left out of the key.
+  assert sorted(k for k in found if "leaf_norm" in k) == [
+      "clip/leaf_norm/attn/bias", "clip/leaf_norm/attn/kernel",
+      "clip/leaf_norm/out/bias", "clip/leaf_norm/out/kernel"]
+  np.testing.assert_allclose(found["clip/leaf_norm/attn/kernel"],
+                             np_leaf_norm(grads["attn"]["kernel"][...], 2), rtol=1e-6)
+
+
+# --------------------------------------------------------------------------
+# Key sets: every key of every state, at init and after updates, under jit
+
+def _inject_clip():
+  return optax.inject_hyperparams(oc.clip_by_global_norm)(max_norm=1.0)
+
+
+STATS_CASES = {
+    "chain": (
+        lambda: optax.chain(oc.clip_by_global_norm(1.0),
+                            oc.clip_by_global_norm(2.0), optax.adam(1e-3)),
+        keys("clip", CLIP_KEYS) | keys("clip_1", CLIP_KEYS)),
+    "named_chain": (
+        lambda: optax.named_chain(("clipping", oc.clip_by_global_norm(1.0)),
+                                  ("spikes", oc.zclip(warmup_steps=2)),
+                                  ("opt", optax.adam(1e-3))),
+        keys("clipping/clip", CLIP_KEYS) | keys("spikes/zclip", ZCLIP_KEYS)),
+    "masked": (
+        lambda: optax.masked(optax.chain(oc.clip_by_global_norm(1.0),
+                                         optax.sgd(0.1)),
+                             {"a": True, "b": False}),
+        keys("clip", CLIP_KEYS)),
+    "partition": (
+        lambda: optax.partition(
+            {"x": optax.chain(oc.clip_by_global_norm(1.0), optax.sgd(0.1)),
+             "y": oc.zclip(warmup_steps=2)},
+            {"a": "x", "b": "y"}),
+        keys("x/clip", CLIP_KEYS) | keys("y/zclip", ZCLIP_KEYS)),
+    "multisteps": (
+        lambda: optax.MultiSteps(
+            optax.chain(oc.clip_by_global_norm(1.0), optax.sgd(0.1)), 2),
+        keys("clip", CLIP_KEYS)),
+    "inject_hyperparams": (
+        lambda: optax.chain(_inject_clip(), optax.sgd(0.1)),
+        keys("clip", CLIP_KEYS)),
+    "skip_step": (
+        lambda: oc.skip_step(optax.chain(oc.clip_by_global_norm(1.0),
+                                         optax.adam(1e-3)), max_norm=10.0),
+        keys("skip", SKIP_KEYS) | keys("clip", CLIP_KEYS)),
+    "skip_step_named_chain": (
+        lambda: oc.skip_step(optax.named_chain(
+            ("z", oc.zclip(warmup_steps=2)), ("c", oc.clip_grad_norm(1.0)),
+            ("opt", optax.adamw(1e-3)))),
+        keys("skip", SKIP_KEYS) | keys("z/zclip", ZCLIP_KEYS)
+        | keys("c/clip", CLIP_KEYS)),
+    "multisteps_of_skip_step": (
+        lambda: optax.MultiSteps(oc.skip_step(optax.chain(
+            oc.clip_by_global_norm(1.0), oc.clip_by_value(0.5),
+            optax.sgd(0.1)), zscore=6.0), 2),
+        keys("skip", SKIP_KEYS) | keys("clip", CLIP_KEYS)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STATS_CASES))
+def test_stats_key_sets(case):
+  make, expected = STATS_CASES[case]
+  tx = make()
+  params = {"a": jnp.ones(3), "b": jnp.ones(2)}
+  grads = {"a": jnp.array([3.0, 0.0, 4.0]), "b": jnp.array([1.0, -1.0])}
+  state = tx.init(params)
+  assert set(oc.stats(state)) == expected  # at init
+  update = jax.jit(tx.update)
+  for _ in range(3):
+    _, state = update(grads, state, params)
+    stats = oc.stats(state)
+    assert set(stats) == expected
+    assert set(jax.jit(oc.stats)(state)) == expected
+    for v in stats.values():
+      assert isinstance(v, jax.Array) and v.shape == ()

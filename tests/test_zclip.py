@@ -324,3 +324,29 @@ def test_no_finite_sequence_stalls_zclip(skip_update_on_spike, mode, case,
   assert longest_run(cut) <= bound, np.flatnonzero(cut)
   assert not cut[-1 - CHECKED:-1].any(), np.flatnonzero(cut)
   assert cut[-1], "the spike after the final level was not cut"
+
+
+# Moved from test_granular.py: leaf_norms and layer_axis (per-leaf and
+# per-layer norms in the state and the statistics)
+
+from helpers import (  # noqa: E402
+  LAYER_AXIS,
+  assert_norm_tree,
+  expected_norm_tree,
+  norm_of_named,
+  run,
+  stacked_gradients,
+)
+
+
+@pytest.mark.parametrize("layer_axis", [None, LAYER_AXIS], ids=["leaf", "layer"])
+def test_zclip_keeps_leaf_norms(layer_axis):
+  grads = stacked_gradients()
+  tx = oc.zclip(leaf_norms=True, layer_axis=layer_axis)
+  state = run(tx, grads)[1]
+  assert_norm_tree(state.leaf_norms, expected_norm_tree(grads, 2, layer_axis is not None))
+  np.testing.assert_allclose(state.norm, norm_of_named(grads), rtol=2e-6)
+  keys = [k for k in oc.stats(state) if "/leaf_norm/" in k]
+  assert keys and all(k.startswith("zclip/leaf_norm/") for k in keys)
+  # Off by default: nothing kept.
+  assert oc.zclip().init(grads).leaf_norms is None

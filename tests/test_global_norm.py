@@ -1,4 +1,16 @@
-"""The numerical contract of the norm: orders, dtypes, range, shape of trees."""
+"""global_norm and all_finite (``optaxclip.functional``): the numerical
+contract of the one norm every clipper uses.
+
+Orders, dtypes, range (overflow and underflow rescued, subnormal entries
+counted), complex and non-float leaves, NaN/Inf propagation, derivatives
+(finite at zero and at every magnitude, by a traced order too), compile-time
+structure (leaves grouped), vmap and shard_map; property tests on random
+trees. References: float64 numpy (``helpers.np_norm``) and JAX's own
+derivatives.
+
+Elsewhere: bad arguments in test_errors.py, optax's numbers in
+test_parity.py, sharded trees in test_distributed.py.
+"""
 
 import functools
 import math
@@ -8,6 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from fuzzing import ORDERS as FUZZ_ORDERS
+from fuzzing import Case, all_finite, cases, clippable, fuzz_settings, is_clippable
+from helpers import np_norm, random_tree
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 import optaxclip as oc
 
@@ -15,39 +32,14 @@ F = oc.functional
 ORDERS = [0.5, 1, 1.5, 2, 3, 7, math.inf, "inf"]
 
 
-def numpy_norm(leaves, ord):
-  """The reference: float64 numpy over the values as stored."""
-  flat = np.concatenate([np.abs(np.asarray(x, np.complex128)).ravel()
-                         for x in leaves])
-  if ord in (math.inf, "inf"):
-    return flat.max(initial=0.0)
-  return float(np.sum(flat ** ord) ** (1 / ord))
-
-
-def random_tree(seed, scale=1.0):
-  rng = np.random.default_rng(seed)
-  return {"w": jnp.asarray(rng.normal(size=(4, 5)) * scale, jnp.float32),
-          "b": jnp.asarray(rng.normal(size=(5,)) * scale, jnp.float32),
-          "layers": [jnp.asarray(rng.normal(size=(2, 3, 4)) * scale, jnp.float32)]}
-
-
 @pytest.mark.parametrize("ord", ORDERS)
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
 def test_every_order_matches_float64(ord, scale):
   tree = random_tree(0, scale)
-  expected = numpy_norm(jax.tree.leaves(tree), ord)
+  expected = np_norm(jax.tree.leaves(tree), ord)
   np.testing.assert_allclose(F.global_norm(tree, ord), expected, rtol=2e-6)
   np.testing.assert_allclose(jax.jit(F.global_norm, static_argnums=1)(tree, ord),
                              expected, rtol=2e-6)
-
-
-@pytest.mark.parametrize("ord", ORDERS)
-def test_per_leaf_norms_clip_each_leaf(ord):
-  tree = random_tree(1)
-  clipped = F.clip_by_norm(tree, 0.5, ord=ord)
-  for before, after in zip(jax.tree.leaves(tree), jax.tree.leaves(clipped)):
-    norm = numpy_norm([before], ord)
-    np.testing.assert_allclose(after, before * min(1.0, 0.5 / norm), rtol=1e-5)
 
 
 def test_absolute_values_for_odd_orders():
@@ -56,7 +48,7 @@ def test_absolute_values_for_odd_orders():
   tree = [jnp.array([[-0.1, -0.25, -0.1], [0.1, 0.25, 0.1]]), jnp.array([-0.5, 0.5])]
   np.testing.assert_allclose(F.global_norm(tree, ord=1), 1.9, rtol=1e-6)
   np.testing.assert_allclose(F.global_norm(tree, ord=3),
-                             numpy_norm(tree, 3), rtol=1e-6)
+                             np_norm(tree, 3), rtol=1e-6)
   clipped, norm = F.clip_by_global_norm(tree, 0.5, ord=1)
   assert F.global_norm(clipped, ord=1) <= 0.5 * (1 + 1e-6)
 
@@ -77,7 +69,7 @@ def test_float16_squares_do_not_overflow():
 def test_overflow_and_underflow_safe(value, ord):
   # optax and PyTorch return inf for ten 1e20s and zero the whole update.
   tree = [jnp.full((10,), value, jnp.float32), jnp.full((3,), value / 2, jnp.float32)]
-  expected = numpy_norm(tree, ord)
+  expected = np_norm(tree, ord)
   norm = jax.jit(F.global_norm, static_argnums=1)(tree, ord)
   if expected > float(np.finfo(np.float32).max):
     assert np.isposinf(norm)  # the true norm is beyond float32
@@ -92,7 +84,7 @@ def test_overflow_and_underflow_safe(value, ord):
       np.testing.assert_allclose(F.global_norm(clipped, ord), max_norm, rtol=1e-5)
     clipped = jax.jit(lambda t: F.clip_by_norm(t, max_norm, ord=ord))(tree)
     for before, after in zip(tree, clipped):
-      leaf_norm = numpy_norm([before], ord)
+      leaf_norm = np_norm([before], ord)
       if max_norm / leaf_norm >= tiny:
         np.testing.assert_allclose(F.global_norm(after, ord),
                                    min(max_norm, leaf_norm), rtol=1e-5)
@@ -100,7 +92,7 @@ def test_overflow_and_underflow_safe(value, ord):
 
 def test_overflow_mixed_with_ordinary_leaves():
   tree = {"huge": jnp.array([1e20, -2e20]), "small": jnp.ones(1000)}
-  np.testing.assert_allclose(F.global_norm(tree), numpy_norm(jax.tree.leaves(tree), 2),
+  np.testing.assert_allclose(F.global_norm(tree), np_norm(jax.tree.leaves(tree), 2),
                              rtol=1e-6)
   clipped = F.clip_by_norm(tree, 1.0)
   np.testing.assert_allclose(F.global_norm(clipped["huge"]), 1.0, rtol=1e-6)
@@ -146,6 +138,15 @@ def test_non_float_leaves_pass_through_and_are_excluded():
   assert F.clip_by_norm(tree, 1.0)["mask"] is tree["mask"]
 
 
+def test_python_float_leaves_count_in_the_norm():
+  np.testing.assert_allclose(F.global_norm({"a": 3.0, "b": jnp.array(4.0), "i": 7}),
+                             5.0)
+  clipped, norm = F.clip_by_global_norm({"a": 3.0, "b": 4.0, "i": 7}, 1.0)
+  np.testing.assert_allclose([clipped["a"], clipped["b"], norm], [0.6, 0.8, 5.0],
+                             rtol=1e-6)
+  assert clipped["i"] == 7
+
+
 @pytest.mark.parametrize("ord", ORDERS)
 def test_zeros_empty_and_zero_threshold_are_finite(ord):
   zeros = {"a": jnp.zeros((3, 2)), "b": jnp.zeros(0)}
@@ -159,28 +160,6 @@ def test_zeros_empty_and_zero_threshold_are_finite(ord):
   clipped, _ = F.clip_by_global_norm({"a": jnp.ones(3)}, 0.0, ord=ord)
   np.testing.assert_array_equal(clipped["a"], np.zeros(3))
   assert F.all_finite(F.clip_by_norm({"a": jnp.ones(3)}, 0.0, ord=ord))
-
-
-@pytest.mark.parametrize("ord", ORDERS)
-@pytest.mark.parametrize("eps", [0.0, 1e-6])
-def test_gradient_through_clippers_is_finite_at_zero(ord, eps):
-  zeros = {"a": jnp.zeros(3), "b": jnp.zeros((2, 2))}
-  losses = {
-      "clip_by_global_norm":
-          lambda t: jnp.sum(F.clip_by_global_norm(t, 1.0, ord=ord, eps=eps)[0]["a"]),
-      "clip_by_norm": lambda t: jnp.sum(F.clip_by_norm(t, 1.0, ord=ord, eps=eps)["a"]),
-      "global_norm": lambda t: F.global_norm(t, ord),
-      "clip_by_value": lambda t: jnp.sum(F.clip_by_value(t, 1.0)["a"]),
-  }
-  for name, loss in losses.items():
-    grads = jax.jit(jax.grad(loss))(zeros)
-    assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads)), name
-
-
-def test_gradient_through_overflow_path_is_finite():
-  tree = {"a": jnp.full(4, 1e20)}
-  grads = jax.grad(lambda t: F.global_norm(t))(tree)
-  np.testing.assert_allclose(grads["a"], np.full(4, 0.5), rtol=1e-5)
 
 
 def test_float64_under_x64_keeps_float64():
@@ -204,6 +183,9 @@ def test_nan_and_inf_propagate_through_the_norm():
   assert np.isinf(F.global_norm([jnp.array([1.0, -jnp.inf])], ord=1))
 
 
+# --------------------------------------------------------------------------
+# Compile time: small leaves of one dtype are reduced together
+
 def many_leaf_tree(count, seed=0):
   """`count` small leaves of mixed shapes and dtypes: several groups each."""
   rng = np.random.default_rng(seed)
@@ -221,16 +203,16 @@ def test_trees_of_several_groups_match_float64(ord, monkeypatch):
   monkeypatch.setattr(oc._grouping, "GROUP_SIZE", 8)
   count = 12 * oc._grouping.GROUP_SIZE + 37
   tree = many_leaf_tree(count)
-  np.testing.assert_allclose(F.global_norm(tree, ord), numpy_norm(tree, ord),
+  np.testing.assert_allclose(F.global_norm(tree, ord), np_norm(tree, ord),
                              rtol=2e-6)
   clipped = jax.jit(lambda t: F.clip_by_norm(t, 0.5, ord=ord))(tree)
   for before, after in zip(tree, clipped):
-    norm = numpy_norm([before], ord)
+    norm = np_norm([before], ord)
     expected = np.asarray(before, np.float64) * min(1.0, 0.5 / norm)
     np.testing.assert_allclose(np.asarray(after, np.float64), expected,
                                rtol=1e-2 if before.dtype != jnp.float32 else 1e-5)
   tree[count // 2] = jnp.full((3,), 1e25, jnp.float32)
-  np.testing.assert_allclose(F.global_norm(tree, ord), numpy_norm(tree, ord),
+  np.testing.assert_allclose(F.global_norm(tree, ord), np_norm(tree, ord),
                              rtol=2e-6)
 
 
@@ -261,26 +243,18 @@ def test_program_grows_by_groups_not_by_leaves(count):
 # --------------------------------------------------------------------------
 # Issue 11: NaN/Inf for every order (item 4), gradients (item 7), subnormal
 # entries (item 10).
-# --------------------------------------------------------------------------
 
 GRID_ORDERS = [0.3, 0.5, 1, 1.5, 2, 3, 4, 10, math.inf]
 BAD_VALUES = [math.nan, math.inf, -math.inf]
 
 
 def scaled_numpy_norms(leaves, ord, *, total):
-  """float64 norms of the stored values, scaled by the largest |x| so that
-  no power overflows or underflows (orders up to 1e5, values to 3e38)."""
-  flats = [np.abs(np.asarray(x, np.complex128)).ravel() for x in leaves]
+  """float64 norms of the stored values (``helpers.np_norm``: scaled by the
+  largest |x|, so that no power overflows or underflows), of all leaves
+  together or per leaf."""
   if total:
-    flats = [np.concatenate(flats)]
-  out = []
-  for flat in flats:
-    peak = flat.max(initial=0.0)
-    if ord == math.inf or peak == 0:
-      out.append(peak)
-    else:
-      out.append(peak * np.sum((flat / peak) ** ord) ** (1 / ord))
-  return np.asarray(out if not total else out[0])
+    return np.asarray(np_norm(leaves, ord))
+  return np.asarray([np_norm([x], ord) for x in leaves])
 
 
 TRACED = {True: jax.jit(lambda t, p: oc._norms.norm_of_leaves(t, p)),
@@ -354,19 +328,29 @@ def test_nan_propagates_through_every_norm_path(ord):
   assert int(state.inner_state.nonfinite_count) == 1
 
 
-@pytest.mark.parametrize("ord", [0.3, 0.5, 0.9])
-def test_nonfinite_guards_trigger_for_fractional_ord(ord):
-  grads = {"w": jnp.array([1.0, jnp.nan]), "b": jnp.ones(2)}
-  tx = oc.clip_grad_norm(1.0, norm_type=ord, error_if_nonfinite=True)
-  with pytest.raises(RuntimeError, match=r"\['w'\]"):
-    jax.block_until_ready(jax.jit(tx.update)(grads, tx.init(grads)))
-  tx = oc.clip_by_global_norm(1.0, ord=ord, nonfinite="raise")
-  with pytest.raises(RuntimeError, match=r"\['w'\]"):
-    jax.block_until_ready(jax.jit(tx.update)(grads, tx.init(grads)))
-  tx = oc.clip_by_global_norm(1.0, ord=ord, nonfinite="zero")
-  out, state = jax.jit(tx.update)(grads, tx.init(grads))
-  assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(out))
-  assert int(state.nonfinite_count) == 1
+# --------------------------------------------------------------------------
+# Derivatives
+
+@pytest.mark.parametrize("ord", ORDERS)
+@pytest.mark.parametrize("eps", [0.0, 1e-6])
+def test_gradient_through_clippers_is_finite_at_zero(ord, eps):
+  zeros = {"a": jnp.zeros(3), "b": jnp.zeros((2, 2))}
+  losses = {
+      "clip_by_global_norm":
+          lambda t: jnp.sum(F.clip_by_global_norm(t, 1.0, ord=ord, eps=eps)[0]["a"]),
+      "clip_by_norm": lambda t: jnp.sum(F.clip_by_norm(t, 1.0, ord=ord, eps=eps)["a"]),
+      "global_norm": lambda t: F.global_norm(t, ord),
+      "clip_by_value": lambda t: jnp.sum(F.clip_by_value(t, 1.0)["a"]),
+  }
+  for name, loss in losses.items():
+    grads = jax.jit(jax.grad(loss))(zeros)
+    assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads)), name
+
+
+def test_gradient_through_overflow_path_is_finite():
+  tree = {"a": jnp.full(4, 1e20)}
+  grads = jax.grad(lambda t: F.global_norm(t))(tree)
+  np.testing.assert_allclose(grads["a"], np.full(4, 0.5), rtol=1e-5)
 
 
 def analytic_gradient(x, ord, norm):
@@ -498,6 +482,9 @@ def test_gradient_through_every_clipper_is_finite_at_zero(ord, traced):
                for g in jax.tree.leaves(grads))
 
 
+# --------------------------------------------------------------------------
+# Subnormal entries, large orders, vmap and shard_map
+
 SUBNORMAL_ORDERS = [0.5, 1, 2, 3]
 
 
@@ -562,13 +549,6 @@ def test_subnormal_entries_count_under_x64():
             leaves, ord, total=total), rtol=1e-12, atol=2.0 ** -1073)
 
 
-def test_subnormal_per_example_norms():
-  rows = jnp.asarray([[1e-40, 1e-40], [3.0, 4.0], [0.0, 0.0]], jnp.float32)
-  norms = F.per_example_clip_by_global_norm([rows], 1.0).norms
-  np.testing.assert_allclose(norms, [np.sqrt(2) * np.float32(1e-40), 5, 0],
-                             rtol=1e-5, atol=2.0 ** -148)
-
-
 @pytest.mark.parametrize("ord", [1, 2, 3, math.inf])
 def test_vmap_decides_the_rescue_once_for_the_batch(ord):
   # One example's squares overflow, another's underflow, two need nothing:
@@ -629,3 +609,33 @@ def test_gradient_under_shard_map_matches_the_whole_tree(ord):
   expected = jax.tree.leaves(jax.grad(norm, argnums=(0, 1))(split, replicated))
   for g, e in zip(got, expected):
     np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-7)
+
+
+# --------------------------------------------------------------------------
+# Random trees (hypothesis): the true norm, NaN/Inf kept, finite gradients
+
+@fuzz_settings(100)
+@example(case=Case("f32", [np.array([1.0, 0, 0, 0, 0]), np.zeros((2, 2))], "nan",
+                   (0, 1)), ord=0.5)  # issue 11, item 4
+@given(case=cases(), ord=st.sampled_from(FUZZ_ORDERS))
+def test_global_norm_is_the_true_norm_and_propagates_nan_inf(case, ord):
+  tree = case.tree(inject=True)
+  norm = float(F.global_norm(tree, ord))
+  values = clippable(tree)
+  if any(np.any(np.isnan(v)) for v in values):
+    assert math.isnan(norm), f"NaN vanished from the {ord}-norm: {norm}"
+  elif not all_finite(tree):
+    assert norm == math.inf, f"Inf vanished from the {ord}-norm: {norm}"
+  else:
+    want = np_norm(values, ord)
+    assert abs(norm - want) <= 2e-5 * want + 1e-36, (norm, want)
+  assert bool(F.all_finite(tree)) == all_finite(tree)
+
+
+@fuzz_settings(25)
+@given(case=cases(templates=("mixed", "f32", "bf16")), ord=st.sampled_from(FUZZ_ORDERS))
+def test_global_norm_gradient_is_finite(case, ord):
+  tree = case.tree()
+  gradient = jax.grad(lambda t: F.global_norm(t, ord))(
+      jax.tree.map(lambda x: x if is_clippable(x) else None, tree))
+  assert all_finite(gradient), f"NaN/Inf in the gradient of the {ord}-norm"
