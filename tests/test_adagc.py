@@ -442,3 +442,17 @@ def test_no_finite_sequence_sets_the_thresholds_for_good(w, b, warmup):
     assert longest_run(over) <= 2, (i, np.flatnonzero(over) + warmup)
     assert np.all(factors[-1 - CHECKED:-1, i] >= 1 / 100), i
     assert factors[-1, i] < 1, "the spike after the final level was not clipped"
+
+
+def test_traced_float_integers_are_rounded():
+  grads = {"w": jnp.array([3.0, 4.0])}
+  # warmup_steps 1.6 rounds to 2: the second step is still global clipping.
+  tx = optax.inject_hyperparams(oc.adagc)(warmup_steps=2.0, lambda_abs=1.0)
+  state = tx.init(grads)
+  step = jax.jit(tx.update)
+  state = state._replace(hyperparams={**state.hyperparams,
+                                      "warmup_steps": jnp.float32(1.6)})
+  for _ in range(2):
+    updates, state = step(grads, state)
+  assert int(state.inner_state.count) == 2
+  np.testing.assert_allclose(jnp.linalg.norm(updates["w"]), 1.0, rtol=1e-6)

@@ -268,3 +268,53 @@ def test_fixed_threshold_clippers_take_state_none_as_a_fresh_state(name):
   jax.tree.map(np.testing.assert_array_equal, with_none[0], fresh[0])
   if name != "clip_by_value":  # stateless: the given state comes back
     jax.tree.map(np.testing.assert_array_equal, with_none[1], fresh[1])
+
+
+# --------------------------------------------------------------------------
+# Callables that optax.inject_hyperparams would call as schedules, and
+# integral values injected as floats (issue 20)
+
+def _every_3d(grads):
+  return jax.tree.map(lambda x: 0 if x.ndim == 3 else None, grads)
+
+
+STACK = {"w": jnp.stack([jnp.ones((2, 2)), 100 * jnp.ones((2, 2))])}
+
+LAYER_BUILDERS = {
+    "clip_by_norm": (oc.clip_by_norm, {"max_norm": 1.0}),
+    "clip_by_global_norm": (oc.clip_by_global_norm, {"max_norm": 1.0, "leaf_norms": True}),
+    "clip_by_block_rms": (oc.clip_by_block_rms, {"threshold": 1.0}),
+    "adaptive_grad_clip": (oc.adaptive_grad_clip, {"clipping": 0.1}),
+    "adagc": (oc.adagc, {}),
+    "zclip": (oc.zclip, {"leaf_norms": True}),
+    "skip_step": (oc.skip_step, {"inner": optax.sgd(0.1), "leaf_norms": True}),
+}
+
+
+@pytest.mark.parametrize("name", LAYER_BUILDERS)
+def test_injected_callable_layer_axis_is_refused_with_the_fix(name):
+  builder, kwargs = LAYER_BUILDERS[name]
+  tx = optax.inject_hyperparams(builder)(layer_axis=_every_3d, **kwargs)
+  with pytest.raises(TypeError, match=rf"`{name}\(layer_axis=\.\.\.\)` is a callable.*"
+                                      r"static_args=\('layer_axis',\)"):
+    tx.init(STACK)
+
+
+@pytest.mark.parametrize("builder, arg", [
+    (oc.adagc, "warmup_steps"), (oc.zclip, "warmup_steps"),
+    (oc.dynamic_loss_scale, "period"), (oc.skip_step, "warmup_steps"),
+    (oc.auto_clip, "history")])
+def test_integral_floats_are_accepted_as_integers(builder, arg):
+  kwargs = {"inner": optax.sgd(0.1)} if builder is oc.skip_step else {}
+  grads = {"w": jnp.ones(3)}
+  for value in (3.0, np.float32(3.0), jnp.float32(3.0)):
+    tx = builder(**kwargs, **{arg: value})
+    tx.update(grads, tx.init(grads), grads)
+  tx = optax.inject_hyperparams(builder, hyperparam_dtype=jnp.float32)(
+      **kwargs, **{arg: lambda count: jnp.float32(3)})
+  if arg in ("warmup_steps", "history") and builder in (oc.zclip, oc.auto_clip):
+    return  # a buffer length: a schedule cannot size the state (static_args)
+  state = tx.init(grads)
+  jax.jit(tx.update)(grads, state, grads)
+  with pytest.raises(TypeError, match=rf"`\w+\({arg}=\.\.\.\)` must be an int"):
+    builder(**kwargs, **{arg: 2.5})

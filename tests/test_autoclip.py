@@ -219,3 +219,12 @@ def test_gradient_is_finite_at_zero_and_after_a_constant_history():
   tx = auto_clip(50.0, history=4)
   for history, grads in gradients_through_updates(tx).items():
     assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads)), history
+
+
+def test_auto_clip_clips_a_huge_float64_norm_against_its_history():
+  with jax.enable_x64(True):
+    tx = oc.auto_clip()
+    state = tx.init({"w": jnp.zeros(2)})
+    for g in (1.0, 1.0, 1.0, 1.0, 1e40):
+      updates, state = tx.update({"w": jnp.array([0.6 * g, 0.8 * g])}, state)
+    np.testing.assert_allclose(updates["w"], [0.6, 0.8], rtol=1e-6)

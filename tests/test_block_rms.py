@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optaxclip as oc
-from optaxclip import _block_rms
+from optaxclip import _core
 
 F = oc.functional
 SHAPES = [(3,), (4, 5), (2, 3, 4), (1,), (7, 1, 3), (33,), ()]
@@ -213,13 +213,13 @@ def test_under_vmap_each_example_on_its_own():
     np.testing.assert_array_equal(clipped, F.clip_by_block_rms([example], 1.0)[0])
 
 
-def test_factors_work_elementwise_on_arrays():
-  # The hook per-layer RMS clipping builds on: any shape, one value each.
-  norms = jnp.array([[0.0, 2.0, 30.0], [jnp.inf, 1e-30, 6.0]])
-  sizes = np.array([[0, 4, 9], [4, 1, 1]], np.float64)
-  rms, factors = _block_rms._block_rms_factors(norms, sizes, 2.0)
-  np.testing.assert_allclose(rms, [[0, 1, 10], [np.inf, 1e-30, 6]], rtol=1e-7)
-  np.testing.assert_allclose(factors, [[1, 1, 0.2], [0, 1, 1 / 3]], rtol=1e-7)
+def test_the_core_gives_each_block_its_rms():
+  # The view the clipper asks the core for: norm / sqrt(size) per block,
+  # 0 for an empty block, and finite where the block's norm overflows.
+  tree = [jnp.zeros((0, 3)), jnp.full((4,), 1.0), jnp.full((9,), 10.0),
+          jnp.full((4,), 3e38), jnp.array([jnp.inf, 1.0])]
+  measured = _core.measure("t", tree, 2, _core.HERE, _core.PER_LEAF, rms=True)
+  np.testing.assert_allclose(measured.units, [0, 1, 10, 3e38, np.inf], rtol=1e-6)
 
 
 def test_gradients_are_finite_at_zero():

@@ -624,3 +624,18 @@ def test_vmap_over_a_batch_of_trees():
       want_out, want_state = run(tx, grads)
       jax.tree.map(lambda a, b, i=i: np.testing.assert_allclose(
           np.asarray(a)[i], np.asarray(b), rtol=1e-6), (out, state), (want_out, want_state))
+
+
+# --------------------------------------------------------------------------
+# groups= as a callable under optax.inject_hyperparams
+
+def test_injected_callable_groups_is_refused_or_works_as_static():
+  grads = {"body": jnp.full(4, 10.0), "head": jnp.array([1.0])}
+  labels = lambda tree: {"body": "b", "head": "h"}  # noqa: E731
+  tx = optax.inject_hyperparams(oc.clip_by_global_norm)(max_norm=1.0, groups=labels)
+  with pytest.raises(TypeError, match=r"static_args=\('groups',\)"):
+    tx.init(grads)
+  tx = optax.inject_hyperparams(oc.clip_by_global_norm, static_args=("groups",))(
+      max_norm=1.0, groups=labels)
+  updates, _ = tx.update(grads, tx.init(grads))
+  assert float(updates["head"][0]) == 1.0  # its own group's norm is 1: kept

@@ -17,6 +17,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from fuzzing import (
   SMALL_ORDERS,
@@ -170,3 +171,27 @@ def test_layer_axis_errors_name_the_leaf(call):
     run_it({"w": 0})
   with pytest.raises(TypeError, match=r"must hold ints .* got 'w'"):
     run_it({"w": "w", "b": None})
+
+
+# --------------------------------------------------------------------------
+# A callable layer_axis: direct, and injected with static_args
+
+def _every_3d(grads):
+  return jax.tree.map(lambda x: 0 if x.ndim == 3 else None, grads)
+
+
+STACK = {"w": jnp.stack([jnp.ones((2, 2)), 100 * jnp.ones((2, 2))])}
+
+
+def test_injected_callable_layer_axis_in_static_args_clips_per_layer():
+  tx = optax.inject_hyperparams(oc.clip_by_norm, static_args=("layer_axis",))(
+      max_norm=1.0, layer_axis=_every_3d)
+  updates, state = jax.jit(tx.update)(STACK, tx.init(STACK))
+  # Each layer's slice clipped by its own norm: layer 0 (norm 2) to 0.5.
+  np.testing.assert_allclose(updates["w"][:, 0, 0], [0.5, 0.5], rtol=1e-6)
+
+
+def test_a_direct_callable_is_not_refused():
+  tx = oc.clip_by_norm(1.0, layer_axis=_every_3d)
+  updates, _ = tx.update(STACK, tx.init(STACK))
+  np.testing.assert_allclose(updates["w"][:, 0, 0], [0.5, 0.5], rtol=1e-6)

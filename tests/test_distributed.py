@@ -930,3 +930,32 @@ def test_distributed_docs_have_python_blocks():
   assert "axis_name" in PAGE and "pmean" in PAGE
   assert len(BLOCKS) >= 3
 
+
+# --------------------------------------------------------------------------
+# Sharded jit: the all-reduces docs/distributed.md states (issue 20)
+
+ALL_REDUCE_LAYOUTS = {
+    # name: (specs cycled over the leaves, all-reduces the page promises)
+    "fsdp over data": ([("data",)], 1),
+    "every leaf over both, one dimension": ([(("data", "model"),)], 1),
+    "data and model on two dimensions": ([("data", "model")], 2),
+    "some over data, some over model": ([("data",), (None, "model")], 2),
+    "data, model, and both": ([("data",), (None, "model"), (), ("model",),
+                               (("data", "model"),), ("data", "model")], 3),
+}
+
+
+@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+@pytest.mark.parametrize("layout", ALL_REDUCE_LAYOUTS)
+def test_sharded_jit_all_reduces_are_the_documented_count(layout, axis_type):
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+  kind = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}[axis_type]
+  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(kind, kind))
+  pool, expected = ALL_REDUCE_LAYOUTS[layout]
+  tree = [jax.ShapeDtypeStruct((8, 8), jnp.float32,
+                               sharding=NamedSharding(mesh, P(*pool[i % len(pool)])))
+          for i in range(12)]
+  with jax.set_mesh(mesh):
+    hlo = jax.jit(lambda t: F.clip_by_global_norm(t, 1.0)).lower(tree).compile().as_text()
+  assert hlo_ops(hlo, "all-reduce")[0] == expected

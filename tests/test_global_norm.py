@@ -200,8 +200,8 @@ def test_trees_of_several_groups_match_float64(ord, monkeypatch):
   # More leaves than one group holds (groups made small, so that the tree
   # compiles fast), of every dtype, plus one leaf that needs the rescue
   # (for p > 1) among them.
-  monkeypatch.setattr(oc._grouping, "GROUP_SIZE", 8)
-  count = 12 * oc._grouping.GROUP_SIZE + 37
+  monkeypatch.setattr(oc._core._batching, "GROUP_SIZE", 8)
+  count = 12 * oc._core._batching.GROUP_SIZE + 37
   tree = many_leaf_tree(count)
   np.testing.assert_allclose(F.global_norm(tree, ord), np_norm(tree, ord),
                              rtol=2e-6)
@@ -230,7 +230,7 @@ def test_program_grows_by_groups_not_by_leaves(count):
   # reduction per leaf. Elementwise ops still scale with the leaves.
   tree = many_leaf_tree(count)
   sizes = [sum(x.dtype == dtype for x in tree) for dtype in {x.dtype for x in tree}]
-  limit = oc._grouping.GROUP_SIZE
+  limit = oc._core._batching.GROUP_SIZE
   groups = [min(limit, n - start) for n in sizes for start in range(0, n, limit)]
   assert len(groups) * 40 < count  # many leaves per group
   norm = lambda t: F.global_norm(t)
@@ -257,15 +257,15 @@ def scaled_numpy_norms(leaves, ord, *, total):
   return np.asarray([np_norm([x], ord) for x in leaves])
 
 
-TRACED = {True: jax.jit(lambda t, p: oc._norms.norm_of_leaves(t, p)),
-          False: jax.jit(lambda t, p: oc._norms.leaf_norms(t, p))}
+TRACED = {True: jax.jit(lambda t, p: oc._core._norms.norm_of_leaves(t, p)),
+          False: jax.jit(lambda t, p: oc._core._norms.unit_norms(t, p))}
 
 
 def norms_of(leaves, ord, *, total, traced):
   """The library's norms, with the order static or traced (as injected)."""
   if traced:
     return TRACED[total](leaves, jnp.float32(ord))
-  fn = oc._norms.norm_of_leaves if total else oc._norms.leaf_norms
+  fn = oc._core._norms.norm_of_leaves if total else oc._core._norms.unit_norms
   return fn(leaves, ord)
 
 
@@ -377,7 +377,7 @@ def test_gradient_is_finite_and_right_at_every_magnitude(ord, traced):
   # ord=4 at 1e15, ord=10 at 6e4): the overflowed plain sum's infinite
   # derivative met the zero cotangent of the branch not taken.
   shape = np.array([0.3, -1.0, 2.0, -0.7, 0.0, 1.5])
-  fn = oc._norms.norm_of_leaves
+  fn = oc._core._norms.norm_of_leaves
   if traced:
     grad = functools.partial(jax.jit(jax.grad(lambda t, p: fn(t, p))),
                              p=jnp.float32(ord))
@@ -406,7 +406,7 @@ def test_derivative_by_a_traced_order(ord):
   x = np.asarray([0.3, -1.0, 2.0, 0.0, 1e-30], np.float32)
   norm = lambda q: scaled_numpy_norms([x], q, total=True)  # noqa: E731
   expected = (norm(ord + 1e-6) - norm(ord - 1e-6)) / 2e-6
-  got = jax.jit(jax.grad(lambda p: oc._norms.norm_of_leaves(
+  got = jax.jit(jax.grad(lambda p: oc._core._norms.norm_of_leaves(
       [jnp.asarray(x)], p)))(jnp.float32(ord))
   np.testing.assert_allclose(got, expected, rtol=1e-4)
 
@@ -415,7 +415,7 @@ def test_derivative_by_a_traced_order(ord):
 def test_per_leaf_and_per_example_gradients_are_right(ord):
   leaves = [jnp.asarray([1e20, -3e19, 0.0]), jnp.asarray([[2.0, -1.0]]),
             jnp.asarray([1e-30, 3e-30])]
-  total_grad = jax.grad(lambda t: jnp.sum(oc._norms.leaf_norms(t, ord)))(leaves)
+  total_grad = jax.grad(lambda t: jnp.sum(oc._core._norms.unit_norms(t, ord)))(leaves)
   for x, g in zip(leaves, total_grad):
     norm = scaled_numpy_norms([x], ord, total=True)
     np.testing.assert_allclose(g, analytic_gradient(x, ord, norm).reshape(

@@ -497,3 +497,14 @@ def test_per_example_clipping_matches_float64(data):
     # is beyond the leaf dtype's range (3 x 65504 in float16); never NaN.
     within = np.sum(np.abs(np.asarray(x, np.float64)), axis=0) < float(jnp.finfo(x.dtype).max)
     assert not np.any(np.isnan(got)) and np.all(np.isfinite(got[within])), (key, got)
+
+
+def test_per_example_norms_are_float32_or_float64_for_float64_leaves():
+  grads = [jnp.ones((2, 3), jnp.bfloat16)]
+  assert F.per_example_clip_by_global_norm(grads, 1.0).norms.dtype == jnp.float32
+  with jax.enable_x64(True):
+    grads = [jnp.ones((2, 3), jnp.float64)]
+    assert F.per_example_clip_by_global_norm(grads, 1.0).norms.dtype == jnp.float64
+    assert F.per_example_clip_by_layer_norm(grads, 1.0).norms[0].dtype == jnp.float64
+    grads = [jnp.ones((2, 3), jnp.float32)]
+    assert F.per_example_clip_by_global_norm(grads, 1.0).norms.dtype == jnp.float32

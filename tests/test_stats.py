@@ -233,3 +233,63 @@ def test_stats_key_sets(case):
     assert set(jax.jit(oc.stats)(state)) == expected
     for v in stats.values():
       assert isinstance(v, jax.Array) and v.shape == ()
+
+
+# --------------------------------------------------------------------------
+# Leaf-norm keys: unique, field names kept, stacks' whole norms (issue 20)
+
+def test_leaf_norm_keys_are_unique_with_slashes_in_keys():
+  grads = {"a/b": jnp.array([3.0]), "a": {"b": jnp.array([4.0])}}
+  tx = oc.clip_by_global_norm(1.0, leaf_norms=True)
+  _, state = tx.update(grads, tx.init(grads))
+  stats = oc.stats(state)
+  assert float(stats["clip/leaf_norm/a%2Fb"]) == 3.0
+  assert float(stats["clip/leaf_norm/a/b"]) == 4.0
+
+
+class ValuePair(NamedTuple):
+  value: jax.Array
+  other: jax.Array
+
+
+def test_a_field_named_value_keeps_its_name():
+  grads = {"layer": ValuePair(jnp.array([3.0]), jnp.array([4.0]))}
+  tx = oc.clip_by_global_norm(1.0, leaf_norms=True)
+  _, state = tx.update(grads, tx.init(grads))
+  keys = {k for k in oc.stats(state) if "leaf_norm" in k}
+  assert keys == {"clip/leaf_norm/layer/value", "clip/leaf_norm/layer/other"}
+
+
+def test_an_nnx_variable_value_is_left_out():
+  nnx = pytest.importorskip("flax.nnx")
+  model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+  grads = nnx.state(model, nnx.Param)
+  tx = oc.clip_by_global_norm(1.0, leaf_norms=True)
+  _, state = tx.update(grads, tx.init(grads))
+  keys = {k for k in oc.stats(state) if "leaf_norm" in k}
+  assert keys == {"clip/leaf_norm/bias", "clip/leaf_norm/kernel"}
+
+
+@pytest.mark.parametrize("make", [
+    lambda: oc.clip_by_global_norm(1.0, leaf_norms=True, layer_axis={"w": 0, "b": None}),
+    lambda: oc.clip_by_norm(1.0, leaf_norms=True, layer_axis={"w": 0, "b": None}),
+    lambda: oc.clip_by_global_norm({"x": 1.0}, groups="x", leaf_norms=True,
+                                   layer_axis={"w": 0, "b": None}),
+    lambda: oc.zclip(leaf_norms=True, layer_axis={"w": 0, "b": None}),
+    lambda: oc.skip_step(optax.sgd(0.1), leaf_norms=True, layer_axis={"w": 0, "b": None}),
+])
+@pytest.mark.parametrize("ord_scale", [1.0, 1e30])
+def test_stacked_leaves_keep_their_whole_norm_beside_each_layer(make, ord_scale):
+  rng = np.random.default_rng(0)
+  w = rng.standard_normal((3, 4, 5)).astype(np.float32) * ord_scale
+  grads = {"w": jnp.asarray(w), "b": jnp.ones(3)}
+  tx = make()
+  _, state = tx.update(grads, tx.init(grads), grads)
+  stats = oc.stats(state)
+  prefix = next(k for k in stats if k.endswith("leaf_norm/w/0"))[:-len("/0")]
+  exact = np.linalg.norm(w.astype(np.float64))
+  np.testing.assert_allclose(float(stats[prefix]), exact, rtol=1e-6)
+  for i in range(3):
+    np.testing.assert_allclose(float(stats[f"{prefix}/{i}"]),
+                               np.linalg.norm(w[i].astype(np.float64)), rtol=1e-6)
+  assert f"{prefix[:-1]}b" in stats and f"{prefix[:-1]}b/0" not in stats

@@ -115,3 +115,15 @@ def test_state_dtype_follows_the_parameters(name, x64, param_dtype, grad_dtype,
     _, new_state = jax.jit(tx.update)(grads, state, params)
     assert jax.tree.map(lambda x: (x.shape, x.dtype, x.weak_type), new_state) \
         == jax.tree.map(lambda x: (x.shape, x.dtype, x.weak_type), state)
+
+
+@pytest.mark.parametrize("make", [oc.auto_clip, lambda: oc.clip_by_global_norm(1.0)])
+def test_float64_gradients_beyond_float32_statistics_never_give_nan(make):
+  with jax.enable_x64(True):
+    tx = make()
+    state = tx.init({"w": jnp.zeros(2, jnp.float32)})
+    for g in (1.0, 1.0, 5e40):
+      updates, state = tx.update({"w": jnp.array([0.6 * g, 0.8 * g])}, state)
+    assert bool(jnp.all(jnp.isfinite(updates["w"])))
+    assert float(jnp.linalg.norm(updates["w"])) <= 1.0 + 1e-6
+    assert int(state.nonfinite_count) == 0
