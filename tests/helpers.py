@@ -275,6 +275,9 @@ def shard(tree, mesh, specs):
 
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTRUCTION = re.compile(r"=\s*(?:\([^=]*?\)|\S+)\s+([a-z][\w\-]*)\(")
+# Tuple shapes carry comments holding "=" ("/*index=5*/"): dropped before
+# matching, or a tuple-shaped op (an all-reduce of many leaves) goes uncounted.
+_COMMENT = re.compile(r"/\*.*?\*/")
 _REFERENCE = re.compile(r"%([\w.\-]+)")
 
 
@@ -293,7 +296,7 @@ def hlo_ops(hlo: str, op: str) -> tuple[int, int]:
     elif line.strip() == "}":
       current = None
     else:
-      match = _INSTRUCTION.search(line)
+      match = _INSTRUCTION.search(_COMMENT.sub("", line))
       if match:
         computations[current].append((match.group(1), line))
   assert entry is not None, "no ENTRY computation in the HLO"
