@@ -129,6 +129,42 @@ def _window(fn: str, window: Any, warmup_steps: Any) -> int | None:
   return size
 
 
+def _check_update_norm(fn: str, update_norm: bool | None,
+                       update_zscore: Scalar | None) -> bool:
+  """Whether the update's norm is measured: always with ``update_zscore``."""
+  if update_norm is None:
+    return update_zscore is not None
+  _validation.check_bool(fn, "update_norm", update_norm)
+  if update_zscore is not None and not update_norm:
+    raise ValueError(f"`{fn}(update_zscore={update_zscore!r})` judges the "
+                     f"update's norm: leave update_norm=True (or None)")
+  return update_norm
+
+
+def _run_inner(inner, judge, measured: _core.Measured, updates: PyTree,
+               inner_state: PyTree, params: PyTree, extra_args: dict, *,
+               update_where: _core.Where | None, loss_scaled: bool, dtype):
+  """``(skip, stats, inner's updates, inner's state)``: the decision
+  (``judge``, ``_skip_stats.step`` with the step's values) and inner's
+  update, which takes the measured norm instead of reading again."""
+  def run(feed, known):
+    return inner.update(feed, inner_state, params, **extra_args,
+                        grad_norm=known)
+
+  if update_where is not None:  # the update's norm judged too: inner first
+    new_updates, new_inner = run(updates, measured.known())
+    proposed = _core.measure("skip_step", new_updates, 2, update_where).total
+    skip, stats = judge(update_norm=_running_stats.to_statistics(
+        proposed, dtype))
+    return skip, stats, new_updates, new_inner
+  skip, stats = judge()
+  # Zeros where the step is skipped: its result is dropped anyway, and XLA
+  # fuses the select into inner's pass (measured: the rollback then costs
+  # one read instead of three). A loss scale inside must see the overflow.
+  feed = updates if loss_scaled else _scaling.zero_unless(~skip, updates)
+  return (skip, stats, *run(feed, measured.known(feed)))
+
+
 def _init(fn: str, inner: optax.GradientTransformation, params: PyTree, *,
           leaf_norms: bool, layer_axis: PyTree, window: int | None,
           update: bool) -> SkipState:
@@ -219,12 +255,7 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
                        max_consecutive_skips=max_consecutive_skips,
                        two_sided=two_sided)
   size = None if window is None else _window(fn, window, warmup_steps)
-  if update_norm is None:
-    update_norm = update_zscore is not None
-  _validation.check_bool(fn, "update_norm", update_norm)
-  if update_zscore is not None and not update_norm:
-    raise ValueError(f"`{fn}(update_zscore={update_zscore!r})` judges the "
-                     f"update's norm: leave update_norm=True (or None)")
+  update_norm = _check_update_norm(fn, update_norm, update_zscore)
   p = _validation.check_ord(fn, ord)
   where = _core.Where.of(fn, axis_name, specs)
   _validation.check_bool(fn, "leaf_norms", leaf_norms)
@@ -257,26 +288,10 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
     judge = functools.partial(
         step, state.stats, unscale(measured.total), **settings,
         loss=None if loss is None else _checked_loss(fn, loss, dtype))
-    def inner_update(feed, grad_norm):
-      return inner.update(feed, state.inner_state, params, **extra_args,
-                          grad_norm=grad_norm)
-
-    if update_norm:  # the update's norm judged too: inner runs first
-      new_updates, new_inner = inner_update(
-          updates, grad_norm=measured.known())
-      proposed = _core.measure(fn, new_updates, 2, where).total
-      skip, new_stats = judge(update_norm=_running_stats.to_statistics(
-          proposed, dtype))
-    else:
-      skip, new_stats = judge()
-      # Zeros where the step is skipped: its result is dropped anyway, and
-      # XLA fuses the select into inner's pass (measured: the rollback then
-      # costs one read instead of three). A loss scale inside must see the
-      # overflow itself.
-      feed = updates if loss_scales else _scaling.zero_unless(~skip, updates)
-      # The clipper in `inner` takes this norm instead of reading again.
-      new_updates, new_inner = inner_update(
-          feed, grad_norm=measured.known(feed))
+    skip, new_stats, new_updates, new_inner = _run_inner(
+        inner, judge, measured, updates, state.inner_state, params,
+        extra_args, update_where=where if update_norm else None,
+        loss_scaled=bool(loss_scales), dtype=dtype)
     if leaf_norms:
       norms, stacks = _leaf_stats.measured(measured, measured.total.dtype)
       new_stats = new_stats._replace(leaf_norms=jax.tree.map(unscale, norms),
