@@ -14,14 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxclip import (
-  _core,
-  _counters,
-  _running_stats,
-  _scaling,
-  _stats,
-  _validation,
-)
+from optaxclip import _core, _counters, _running_stats, _scaling, _stats, _validation
 from optaxclip._types import AxisName, Scalar
 
 PyTree = Any

@@ -213,8 +213,7 @@ def adaptive_grad_clip_fn(updates: PyTree, params: PyTree, clipping: Scalar, *,
            [0.6 , 0.8 ]], dtype=float32)
 
   References:
-    Brock et al., [High-Performance Large-Scale Image Recognition Without
-    Normalization](https://arxiv.org/abs/2102.06171), 2021.
+    Brock et al., 2021 (see ``optaxclip.adaptive_grad_clip``).
   """
   fn = "adaptive_grad_clip"
   clipping, eps, where, kept = _check(fn, clipping, eps, axis, axis_name,
@@ -255,7 +254,8 @@ def adaptive_grad_clip(clipping: Scalar, *, eps: Scalar = 1e-3, axis: Axis = Non
       its units count one per layer in the state.
 
   Returns:
-    An ``optax.GradientTransformation`` whose state is an ``AGCState``.
+    An ``optax.GradientTransformation``; its state, an ``AGCState``, counts
+    the clipped units.
 
   Examples:
     >>> import jax.numpy as jnp

@@ -16,14 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxclip import (
-    _core,
-    _counters,
-    _running_stats,
-    _scaling,
-    _stats,
-    _validation,
-)
+from optaxclip import _core, _counters, _running_stats, _scaling, _stats, _validation
 from optaxclip._types import AxisName, PyTree, Scalar
 
 
@@ -150,20 +143,16 @@ def clip_by_block_rms(threshold: Scalar, *, axis_name: AxisName = None,
   update is zero).
 
   Args:
-    threshold: the largest RMS a leaf may keep (a number >= 0; ``inf``
-      never clips).
-    axis_name: under ``shard_map``/``pmap``, the mesh axis name(s) the updates
-      are split over: the norms are then those of the whole, unsplit updates,
-      with one all-reduce (see ``functional.global_norm``).
-    specs: with ``axis_name``, the updates' ``PartitionSpec`` (a tree prefix, as
-      ``shard_map``'s ``in_specs``): a leaf replicated on an axis counts once.
-    layer_axis: for scanned (stacked) layers, the axis that stacks them (an
-      int, or a tree prefix of the updates with int or None leaves): each
-      layer's slice is clipped by its own RMS; the state logs the largest
+    threshold: as in ``functional.clip_by_block_rms``.
+    axis_name: as there (docs/distributed.md).
+    specs: as there.
+    layer_axis: as there: each layer's slice is clipped by its own RMS;
+      the state logs the largest
       and smallest over all slices.
 
   Returns:
-    An ``optax.GradientTransformation`` whose state is a ``BlockRMSState``.
+    An ``optax.GradientTransformation``; its state, a ``BlockRMSState``,
+    logs the largest RMS and the smallest factor.
 
   Examples:
     >>> import jax.numpy as jnp

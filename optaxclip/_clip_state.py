@@ -46,9 +46,10 @@ class ClipState(NamedTuple):
   stack_norms: PyTree = None
 
   @classmethod
-  def fresh(cls, dtype: jax.typing.DTypeLike, leaf_norms: PyTree = None,
-            stack_norms: PyTree = None) -> "ClipState":
-    """The state before the first step, its floats in ``dtype``."""
+  def fresh(cls, dtype: jax.typing.DTypeLike, *kept: PyTree) -> "ClipState":
+    """The state before the first step, its floats in ``dtype``; ``kept``:
+    the leaf norms and stack norms it starts with (``_leaf_stats.zeros``)."""
+    leaf_norms, stack_norms = kept or (None, None)
     return cls(norm=jnp.zeros([], dtype), scale=jnp.ones([], dtype),
                count=_counters.zero(), clipped_count=_counters.zero(),
                nonfinite_count=_counters.zero(), leaf_norms=leaf_norms,

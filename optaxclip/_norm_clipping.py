@@ -215,13 +215,11 @@ def clip_by_norm(max_norm: Scalar, *, ord: Ord = 2, eps: Scalar = 0.0,
   Injected hyperparameters: docs/hyperparameters.md.
 
   Args:
-    max_norm: the largest norm a leaf may keep (a number >= 0; ``inf``
-      never clips).
-    ord: the norm order: any number ``p > 0`` or ``inf``.
-    eps: added to each norm before dividing (0: exact threshold).
-    axis_name: under ``shard_map``/``pmap``, the mesh axis name(s) the
-      updates are split over (docs/distributed.md).
-    specs: with ``axis_name``, the updates' ``PartitionSpec`` (a tree prefix).
+    max_norm: as in ``functional.clip_by_norm``.
+    ord: as there.
+    eps: as there.
+    axis_name: as there (docs/distributed.md).
+    specs: as there.
     nonfinite: ``"propagate"``, ``"zero"`` or ``"raise"``: what a NaN or
       Inf norm does (as in ``clip_by_global_norm``).
     layer_axis: the axis that stacks scanned layers (an int, or a tree

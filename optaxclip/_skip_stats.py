@@ -100,29 +100,13 @@ class SkipStats(NamedTuple):
   leaf_norms: PyTree = None
   stack_norms: PyTree = None
 
-  @property
-  def norm_mean(self) -> jax.Array:
-    return self.norm_stats.mean
-
-  @property
-  def norm_var(self) -> jax.Array:
-    return self.norm_stats.var
-
-  @property
-  def ema_count(self) -> jax.Array:
-    return self.norm_stats.count
-
-  @property
-  def loss_mean(self) -> jax.Array:
-    return self.loss_stats.mean
-
-  @property
-  def loss_var(self) -> jax.Array:
-    return self.loss_stats.var
-
-  @property
-  def loss_ema_count(self) -> jax.Array:
-    return self.loss_stats.count
+  # The EMA-era names, read from the statistics they now live in.
+  norm_mean = property(lambda self: self.norm_stats.mean)
+  norm_var = property(lambda self: self.norm_stats.var)
+  ema_count = property(lambda self: self.norm_stats.count)
+  loss_mean = property(lambda self: self.loss_stats.mean)
+  loss_var = property(lambda self: self.loss_stats.var)
+  loss_ema_count = property(lambda self: self.loss_stats.count)
 
   @classmethod
   def fresh(cls, dtype: jax.typing.DTypeLike, leaf_norms: PyTree = None,

@@ -82,10 +82,11 @@ class ZClipState(NamedTuple):
   clipped_count: jax.Array
   spike_count: jax.Array
   nonfinite_count: jax.Array
+  # Bookkeeping, hidden from optaxclip.stats:
   stale_count: jax.Array
   spike_streak: jax.Array
-  leaf_norms: PyTree = None
-  stack_norms: PyTree = None
+  leaf_norms: PyTree | None = None
+  stack_norms: PyTree | None = None
 
   @classmethod
   def fresh(cls, dtype: jax.typing.DTypeLike, warmup_steps: int,
