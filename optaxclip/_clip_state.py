@@ -45,16 +45,6 @@ class ClipState(NamedTuple):
   leaf_norms: PyTree = None
   stack_norms: PyTree = None
 
-  @classmethod
-  def fresh(cls, dtype: jax.typing.DTypeLike, *kept: PyTree) -> "ClipState":
-    """The state before the first step, its floats in ``dtype``; ``kept``:
-    the leaf norms and stack norms it starts with (``_leaf_stats.zeros``)."""
-    leaf_norms, stack_norms = kept or (None, None)
-    return cls(norm=jnp.zeros([], dtype), scale=jnp.ones([], dtype),
-               count=_counters.zero(), clipped_count=_counters.zero(),
-               nonfinite_count=_counters.zero(), leaf_norms=leaf_norms,
-               stack_norms=stack_norms)
-
   def after(self, norm: jax.Array, factor: jax.Array, *, finite: jax.Array,
             measured: _core.Measured | None = None) -> "ClipState":
     """The state after a step with this norm and factor (and, kept, the
@@ -67,6 +57,16 @@ class ClipState(NamedTuple):
                      **_counters.step_counts(self, finite=finite,
                                              clipped=factor < 1),
                      leaf_norms=norms, stack_norms=stacks)
+
+  @classmethod
+  def fresh(cls, dtype: jax.typing.DTypeLike, *kept: PyTree) -> "ClipState":
+    """The state before the first step, its floats in ``dtype``; ``kept``:
+    the leaf norms and stack norms it starts with (``_leaf_stats.zeros``)."""
+    leaf_norms, stack_norms = kept or (None, None)
+    return cls(norm=jnp.zeros([], dtype), scale=jnp.ones([], dtype),
+               count=_counters.zero(), clipped_count=_counters.zero(),
+               nonfinite_count=_counters.zero(), leaf_norms=leaf_norms,
+               stack_norms=stack_norms)
 
 
 _stats.register(ClipState, "clip", hide=("leaf_norms", "stack_norms"),

@@ -85,8 +85,8 @@ class ZClipState(NamedTuple):
   # Bookkeeping, hidden from optaxclip.stats:
   stale_count: jax.Array
   spike_streak: jax.Array
-  leaf_norms: PyTree | None = None
-  stack_norms: PyTree | None = None
+  leaf_norms: PyTree = None
+  stack_norms: PyTree = None
 
   @classmethod
   def fresh(cls, dtype: jax.typing.DTypeLike, warmup_steps: int,
