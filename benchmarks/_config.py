@@ -1,4 +1,5 @@
-"""The sizes and repeats of a run: `FULL`, or `QUICK` for a smoke test."""
+"""The sizes and repeats of a run: `FULL`, `QUICK` (small sizes, a first look)
+or `SMOKE` (the smallest that runs every target's code, for tests)."""
 
 import dataclasses
 
@@ -16,6 +17,7 @@ class Config:
   step_compile_reference_repeats: int  # the same in a train step
   compile_leaves: tuple[int, ...]  # tree sizes of the compile targets
   compile_skip_s: float | None  # optax's clip above 1000 leaves: skip when slower
+  discard_first_compiles: bool  # one compile per candidate first, not timed
   transformer: dict[str, int]  # `_trees.transformer_shapes` arguments
   traffic_parts: bool  # traffic of the transformer's large and small leaves apart
   scanned: dict[str, int]  # the same, without `layers`, for stacked layers
@@ -31,7 +33,7 @@ FULL = Config(
     standalone_repeats=41, compile_repeats=11, step_compile_repeats=3,
     compile_reference_repeats=3, step_compile_reference_repeats=1,
     compile_leaves=(250, 500, 1000, 2000, 4000),
-    compile_skip_s=30.0,
+    compile_skip_s=30.0, discard_first_compiles=True,
     transformer=dict(vocab=32000, d_model=512, layers=12, seq_len=1024),
     traffic_parts=True,
     scanned=dict(vocab=32000, d_model=512, seq_len=1024), scanned_layers=(12, 48),
@@ -45,3 +47,16 @@ QUICK = dataclasses.replace(
     scanned=dict(vocab=4096, d_model=128, seq_len=256), scanned_layers=(4,),
     many_leaves=250, many_leaves_runs=2, accuracy_size=10**7,
     half_shapes=((1024, 1024),) * 2)
+# Every target's code path (the traffic of large and small leaves apart
+# too: the tiny transformer's token embedding, 1100 x 32, is one large leaf)
+# and the report, on trees a loaded 2-core machine compiles in seconds:
+# what tests/test_benchmarks.py runs. Its numbers mean nothing.
+SMOKE = dataclasses.replace(
+    FULL, mode="smoke", repeats=1, train_step_repeats=1, standalone_repeats=1,
+    compile_repeats=1, step_compile_repeats=1, compile_reference_repeats=1,
+    step_compile_reference_repeats=1, compile_leaves=(8, 16),
+    discard_first_compiles=False,
+    transformer=dict(vocab=1100, d_model=32, layers=2, seq_len=32),
+    scanned=dict(vocab=256, d_model=32, seq_len=32), scanned_layers=(2,),
+    many_leaves=16, many_leaves_runs=1, accuracy_size=10**4,
+    half_shapes=((64, 64),) * 2)

@@ -2,7 +2,8 @@
 against optax and PyTorch.
 
     python benchmarks/run.py                  # full suite
-    python benchmarks/run.py --quick          # small sizes, a smoke test
+    python benchmarks/run.py --quick          # small sizes, a first look
+    python benchmarks/run.py --smoke          # tiny sizes, 1 round: the test's run
     python benchmarks/run.py --only compile,traffic --out /tmp/bench
     python benchmarks/run.py --platform gpu   # JAX's GPU backend
 
@@ -22,7 +23,7 @@ if str(ROOT) not in sys.path:  # benchmark the checkout, installed or not
   sys.path.insert(0, str(ROOT))
 
 from benchmarks import _report, _timing  # noqa: E402
-from benchmarks._config import FULL, QUICK  # noqa: E402
+from benchmarks._config import FULL, QUICK, SMOKE  # noqa: E402
 from benchmarks.targets import TARGETS  # noqa: E402
 from benchmarks.targets._base import run_job, select_platform  # noqa: E402
 
@@ -32,8 +33,12 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
       description="Benchmark optaxclip against optax and PyTorch.")
-  parser.add_argument("--quick", action="store_true",
-                      help="small sizes and few repeats: a smoke test, not a result")
+  sizes = parser.add_mutually_exclusive_group()
+  sizes.add_argument("--quick", action="store_true",
+                     help="small sizes and few repeats: a first look, not a result")
+  sizes.add_argument("--smoke", action="store_true",
+                     help="tiny sizes and 1 round: runs every target's code and "
+                          "writes the report, in well under a minute of compiles")
   parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                       help=f"output folder (default: {DEFAULT_OUT.relative_to(ROOT)})")
   parser.add_argument("--only", default=",".join(TARGETS),
@@ -55,7 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
   args = parse_args(argv)
   select_platform(args.platform)
-  config = dataclasses.replace(QUICK if args.quick else FULL, platform=args.platform)
+  base = SMOKE if args.smoke else QUICK if args.quick else FULL
+  config = dataclasses.replace(base, platform=args.platform)
   if args.no_skip:
     config = dataclasses.replace(config, compile_skip_s=None)
   args.out.mkdir(parents=True, exist_ok=True)

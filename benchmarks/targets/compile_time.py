@@ -56,7 +56,7 @@ def measure_compile(config: Config, *, step: bool) -> dict[str, Any]:
                       else config.compile_reference_repeats)
   reference, limit = names[-1], config.compile_skip_s
   # The first compiles of a process also set up XLA and LLVM: discarded.
-  for name in names:
+  for name in names if config.discard_first_compiles else ():
     compile_seconds(make(name, config.compile_leaves[0]))
   samples: dict[str, list[list[float]]] = {name: [] for name in names}
   previous = None

@@ -81,7 +81,8 @@ def _transforms(tree: PyTree) -> dict[str, Callable[[], optax.GradientTransforma
   return {**built, **REFERENCES, "optax.scale": _candidates.CLIPS["optax.scale"]}
 
 
-def _compile_samples(grads: PyTree, rounds: int) -> dict[str, list[float]]:
+def _compile_samples(grads: PyTree, rounds: int, discard_first: bool = True
+                     ) -> dict[str, list[float]]:
   """Fresh compiles of the clips alone and in AdamW's step, in rotated rounds."""
   transforms = _transforms(grads)
 
@@ -100,7 +101,8 @@ def _compile_samples(grads: PyTree, rounds: int) -> dict[str, list[float]]:
   clips = [*CLIPS, *REFERENCES]
   builds = {**{name: alone(name) for name in (*clips, "optax.scale")},
             **{f"{name} + adamw": step(name) for name in clips}, "adamw": step(None)}
-  for build in builds.values():  # the first compiles also set up XLA: discarded
+  # The first compiles also set up XLA: discarded (not in a smoke run).
+  for build in builds.values() if discard_first else ():
     compile_seconds(build)
   samples = {name: [] for name in builds}
   for round_ in range(rounds):
@@ -134,7 +136,8 @@ def _traffic_without_rescue(config: Config, layers: int) -> dict[str, Any] | Non
 def measure(config: Config, *, layers: int) -> dict[str, Any]:
   shapes = _trees.stacked_transformer_shapes(layers=layers, **config.scanned)
   structs = _trees.structs(shapes)
-  compiled = _compile_samples(structs, config.compile_repeats)
+  compiled = _compile_samples(structs, config.compile_repeats,
+                              config.discard_first_compiles)
   traffic = _traffic(structs)
   traffic["without rescue"] = in_fresh_process(_traffic_without_rescue, config, layers)
   grads = _trees.normal_tree(shapes, seed=0)
