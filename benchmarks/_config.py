@@ -22,6 +22,7 @@ class Config:
   traffic_parts: bool  # traffic of the transformer's large and small leaves apart
   scanned: dict[str, int]  # the same, without `layers`, for stacked layers
   scanned_layers: tuple[int, ...]
+  scanned_clips: tuple[str, ...] | None  # of `targets/scanned.py`'s CLIPS; None: all
   many_leaves: int  # leaves of 1000 float32 elements
   many_leaves_runs: int  # fresh processes, each a full run of that target
   accuracy_size: int  # float32 elements in one vector
@@ -37,6 +38,7 @@ FULL = Config(
     transformer=dict(vocab=32000, d_model=512, layers=12, seq_len=1024),
     traffic_parts=True,
     scanned=dict(vocab=32000, d_model=512, seq_len=1024), scanned_layers=(12, 48),
+    scanned_clips=None,
     many_leaves=2000, many_leaves_runs=5, accuracy_size=10**8,
     half_shapes=((1024, 1024),) * 4)
 QUICK = dataclasses.replace(
@@ -58,5 +60,9 @@ SMOKE = dataclasses.replace(
     discard_first_compiles=False,
     transformer=dict(vocab=1100, d_model=32, layers=2, seq_len=32),
     scanned=dict(vocab=256, d_model=32, seq_len=32), scanned_layers=(2,),
+    # each kind of row: a global clip, its leaf_norms twin, a per-layer clip
+    # against optax clip, and AGC (its own reference, no traffic floor)
+    scanned_clips=("clip_by_global_norm", "clip_by_global_norm(leaf_norms, layer_axis)",
+                   "clip_by_norm(layer_axis)", "adaptive_grad_clip(layer_axis)"),
     many_leaves=16, many_leaves_runs=1, accuracy_size=10**4,
     half_shapes=((64, 64),) * 2)

@@ -73,6 +73,14 @@ def layer_axis(tree: PyTree) -> dict[str, Any]:
   return {key: 0 if key == "layers" else None for key in tree}
 
 
+def chosen(config: Config) -> tuple[list[str], list[str]]:
+  """The clips a run measures (`config.scanned_clips`; None: all) and the
+  optax references they are compared with."""
+  clips = [name for name in CLIPS
+           if config.scanned_clips is None or name in config.scanned_clips]
+  return clips, [name for name in REFERENCES if any(CLIPS[c][1] == name for c in clips)]
+
+
 def _transforms(tree: PyTree) -> dict[str, Callable[[], optax.GradientTransformation]]:
   """Every candidate by name, a fresh transform per call: optaxclip's clips,
   optax's references and `optax.scale` (one elementwise pass, no clip)."""
@@ -81,9 +89,10 @@ def _transforms(tree: PyTree) -> dict[str, Callable[[], optax.GradientTransforma
   return {**built, **REFERENCES, "optax.scale": _candidates.CLIPS["optax.scale"]}
 
 
-def _compile_samples(grads: PyTree, rounds: int, discard_first: bool = True
-                     ) -> dict[str, list[float]]:
-  """Fresh compiles of the clips alone and in AdamW's step, in rotated rounds."""
+def _compile_samples(grads: PyTree, rounds: int, names: list[str],
+                     discard_first: bool = True) -> dict[str, list[float]]:
+  """Fresh compiles of the clips and references `names`, alone and in AdamW's
+  step, in rotated rounds."""
   transforms = _transforms(grads)
 
   def alone(name):
@@ -98,9 +107,8 @@ def _compile_samples(grads: PyTree, rounds: int, discard_first: bool = True
       return fn, (grads, jax.eval_shape(tx.init, grads), grads)
     return build
 
-  clips = [*CLIPS, *REFERENCES]
-  builds = {**{name: alone(name) for name in (*clips, "optax.scale")},
-            **{f"{name} + adamw": step(name) for name in clips}, "adamw": step(None)}
+  builds = {**{name: alone(name) for name in (*names, "optax.scale")},
+            **{f"{name} + adamw": step(name) for name in names}, "adamw": step(None)}
   # The first compiles also set up XLA: discarded (not in a smoke run).
   for build in builds.values() if discard_first else ():
     compile_seconds(build)
@@ -111,13 +119,13 @@ def _compile_samples(grads: PyTree, rounds: int, discard_first: bool = True
   return samples
 
 
-def _traffic(grads: PyTree) -> dict[str, Any]:
+def _traffic(grads: PyTree, names: list[str]) -> dict[str, Any]:
   """Passes over the tree, alone and added to AdamW's step (`_cost`)."""
   transforms = _transforms(grads)
   adamw = _cost.step(None, grads)
   return {name: {"alone": _cost.alone(transforms[name](), grads),
                  "step extra": _cost.step(transforms[name](), grads) - adamw}
-          for name in (*CLIPS, *REFERENCES)}
+          for name in names}
 
 
 def _traffic_without_rescue(config: Config, layers: int) -> dict[str, Any] | None:
@@ -129,21 +137,22 @@ def _traffic_without_rescue(config: Config, layers: int) -> dict[str, Any] | Non
     _cost.without_rescue_branch()
   except _cost.NoBuildWithoutRescue:
     return None
-  traffic = _traffic(structs)
-  return {name: traffic[name] for name in CLIPS}
+  return _traffic(structs, chosen(config)[0])
 
 
 def measure(config: Config, *, layers: int) -> dict[str, Any]:
   shapes = _trees.stacked_transformer_shapes(layers=layers, **config.scanned)
   structs = _trees.structs(shapes)
-  compiled = _compile_samples(structs, config.compile_repeats,
+  clips, references = chosen(config)
+  names = [*clips, *references]
+  compiled = _compile_samples(structs, config.compile_repeats, names,
                               config.discard_first_compiles)
-  traffic = _traffic(structs)
+  traffic = _traffic(structs, names)
   traffic["without rescue"] = in_fresh_process(_traffic_without_rescue, config, layers)
   grads = _trees.normal_tree(shapes, seed=0)
   transforms = _transforms(grads)
   run = interleaved_samples({name: clip_call(transforms[name](), grads)
-                             for name in (*CLIPS, *REFERENCES)}, config.standalone_repeats)
+                             for name in names}, config.standalone_repeats)
   return {"layers": layers, "tree": describe_tree(grads), "compile": compiled,
           "traffic": traffic, "run": run}
 
@@ -232,7 +241,7 @@ def render(config: Config, results: list[dict[str, Any]]) -> Section:
   for result in results:
     layers, c, run, traffic = (result["layers"], result["compile"], result["run"],
                                result["traffic"])
-    for name in CLIPS:
+    for name in chosen(config)[0]:
       more_rows, more_checks = _clip_rows(layers, name, c, run, traffic)
       rows += more_rows
       checks += more_checks
