@@ -1,5 +1,8 @@
-"""Smoke test of the benchmark harness: `benchmarks/run.py --quick` writes its
-report. Timings are not checked (they depend on the machine)."""
+"""Smoke test of the benchmark harness: `benchmarks/run.py --smoke` (tiny
+trees, one round) runs every target's code and writes its report. Timings
+are not checked (they depend on the machine). The programs the report
+compares with (the minimal norm, the hand-written AdamW floor) are checked
+to compute what they stand for."""
 
 import os
 import re
@@ -7,7 +10,20 @@ import subprocess
 import sys
 from pathlib import Path
 
-RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "run.py"
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import optaxclip as oc
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+
+from benchmarks import _candidates  # noqa: E402
+
+RUN = ROOT / "benchmarks" / "run.py"
 TARGETS = ("compile_step", "compile", "traffic", "scanned", "train_step", "standalone",
            "many_leaves", "accuracy", "fallback")
 
@@ -19,17 +35,18 @@ def _section(markdown: str, key: str) -> str:
   return markdown[start:following if following != -1 else len(markdown)]
 
 
-def test_quick_run_writes_every_table_and_plot(tmp_path):
+def test_smoke_run_writes_every_table_and_plot(tmp_path):
   env = dict(os.environ)
   # tests/conftest.py gives this process 8 host devices; the benchmarks run
   # on the default single device.
   env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
                             env.get("XLA_FLAGS", "")).strip()
-  result = subprocess.run([sys.executable, str(RUN), "--quick", "--out", str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=600)
+  result = subprocess.run([sys.executable, str(RUN), "--smoke", "--out", str(tmp_path)],
+                          env=env, capture_output=True, text=True)
   assert result.returncode == 0, result.stdout + result.stderr
 
   markdown = (tmp_path / "README.md").read_text()
+  assert "(smoke mode)" in markdown
   for key in TARGETS:
     section = _section(markdown, key)
     assert f"(`{key}`)" in section, key
@@ -42,6 +59,13 @@ def test_quick_run_writes_every_table_and_plot(tmp_path):
   for row in ("| clip_by_global_norm(leaf_norms, layer_axis) | compile, step",
               "| clip_by_norm(layer_axis) | run, clip alone", "| leaf_norms cost | traffic"):
     assert row in scanned, row
+  traffic = _section(markdown, "traffic")
+  for part in ("| whole tree (", "| large leaves (", "| small leaves ("):
+    assert part in traffic, f"no traffic row for the {part[2:-2]}"
+  for key, what in (("compile_step", "extra step compile time"),
+                    ("compile", "extra compile time")):
+    assert "Against the minimal norm" in _section(markdown, key), key
+    assert f"optaxclip's {what} / the minimal norm's |" in markdown, key
 
   for png in ("compile_step.png", "compile_time.png", "runtime.png"):
     assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
@@ -61,3 +85,41 @@ def test_every_target_has_a_definition():
   definitions = (RUN.parent / "README.md").read_text()
   for key in TARGETS:
     assert f'<a id="{key}"></a>' in definitions, key
+
+
+def test_minimal_norm_clips_as_the_global_norm_clip():
+  grads = {"a": jnp.arange(6.0).reshape(2, 3), "b": jnp.array([-4.0, 3.0])}
+  for max_norm in (1.0, 100.0):
+    tx = _candidates.minimal_norm_clip(max_norm)
+    ours, _ = tx.update(grads, tx.init(grads))
+    want, _ = oc.clip_by_global_norm(max_norm).update(
+        grads, oc.clip_by_global_norm(max_norm).init(grads))
+    for key in grads:
+      np.testing.assert_allclose(ours[key], want[key], rtol=1e-6)
+  zeros = jax.tree.map(jnp.zeros_like, grads)
+  clipped, _ = tx.update(zeros, tx.init(zeros))
+  assert all(bool(jnp.all(x == 0)) for x in jax.tree.leaves(clipped))
+
+
+def test_handwritten_adamw_is_optax_adamw_and_rolls_back_exactly():
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.standard_normal((3, 4)), jnp.float32),
+            "b": jnp.asarray(rng.standard_normal(4), jnp.float32)}
+  tx = optax.adamw(1e-3)
+  state, ours = tx.init(params), _candidates.handwritten_adamw_init(params)
+  want, got = params, params
+  plain = jax.jit(_candidates.handwritten_adamw_step(rollback=False))
+  rollback = jax.jit(_candidates.handwritten_adamw_step(rollback=True))
+  for i in range(3):
+    grads = jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 1)), params)
+    updates, state = tx.update(grads, state, want)
+    want = optax.apply_updates(want, updates)
+    got, new = plain(grads, ours, got, jnp.bool_(False))
+    assert rollback(grads, ours, got, jnp.bool_(False))[1][0] == new[0]
+    kept_params, kept = rollback(grads, ours, got, jnp.bool_(True))
+    for a, b in zip(jax.tree.leaves((kept_params, kept)), jax.tree.leaves((got, ours))):
+      np.testing.assert_array_equal(a, b)  # a skipped step: bit for bit as before
+    ours = new
+  for key in params:
+    np.testing.assert_allclose(got[key], want[key], rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(ours[1]["w"], state[0].mu["w"], rtol=1e-6)
