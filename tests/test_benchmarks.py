@@ -24,7 +24,7 @@ if str(ROOT) not in sys.path:
 from benchmarks import _candidates  # noqa: E402
 
 RUN = ROOT / "benchmarks" / "run.py"
-TARGETS = ("compile_step", "compile", "traffic", "scanned", "train_step", "standalone",
+TARGETS = ("compile_step", "compile", "traffic", "guards", "scanned", "train_step", "standalone",
            "many_leaves", "accuracy", "fallback")
 
 
@@ -62,6 +62,18 @@ def test_smoke_run_writes_every_table_and_plot(tmp_path):
   traffic = _section(markdown, "traffic")
   for part in ("| whole tree (", "| large leaves (", "| small leaves ("):
     assert part in traffic, f"no traffic row for the {part[2:-2]}"
+  guards = _section(markdown, "guards")
+  assert "| hand-written AdamW + exact rollback (floor) |" in guards
+  for row in ("| chain(clip, adamw) |", "| skip_step(adamw) |",
+              "| skip_step(chain(clip, adamw), zscore=6, loss_zscore=6) |",
+              "| dynamic_loss_scale(chain(clip, adamw)) |",
+              "| dynamic_loss_scale(skip_step(chain(clip, adamw), zscore=6)) |",
+              "| optax.apply_if_finite(chain(clip, adamw), 10) |",
+              "| chain(optax.clip_by_global_norm(1.0), adamw) |"):
+    assert guards.count(row) == 2, row  # its passes, then its compile time
+  # passes, beyond the clipped step, and the same without the rescue branch
+  assert re.search(r"\| skip_step\(adamw\) \| [\d.]+ \| \*\*\+[\d.]+\*\* \| \+[\d.]+ \|",
+                   guards), "no passes without the rescue branch"
   for key, what in (("compile_step", "extra step compile time"),
                     ("compile", "extra compile time")):
     assert "Against the minimal norm" in _section(markdown, key), key
