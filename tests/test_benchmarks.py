@@ -57,7 +57,9 @@ def test_smoke_run_writes_every_table_and_plot(tmp_path):
   assert "## Summary" in markdown and "## Machine and versions" in markdown
   scanned = _section(markdown, "scanned")
   for row in ("| clip_by_global_norm(leaf_norms, layer_axis) | compile, step",
-              "| clip_by_norm(layer_axis) | run, clip alone", "| leaf_norms cost | traffic"):
+              "| clip_by_norm(layer_axis) | run, clip alone", "| leaf_norms cost | traffic",
+              "| adaptive_grad_clip(layer_axis) | compile, step extra (ratio)",
+              "| clip_by_global_norm(leaf_norms, layer_axis) | compile, step extra (ratio)"):
     assert row in scanned, row
   traffic = _section(markdown, "traffic")
   for part in ("| whole tree (", "| large leaves (", "| small leaves ("):
