@@ -63,7 +63,7 @@ def measure_compile(config: Config, *, step: bool) -> dict[str, Any]:
   samples: dict[str, list[list[float]]] = {name: [] for name in names}
   previous = None
   for leaves in config.compile_leaves:
-    active = list(names)
+    active: list[str] = list(names)
     if limit and previous and leaves > SKIP_ABOVE_LEAVES:
       if previous[1] * leaves / previous[0] > limit:
         active.remove(reference)
