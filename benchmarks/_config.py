@@ -16,9 +16,11 @@ class Config:
   compile_reference_repeats: int  # of those, rounds that compile optax's slow clip
   step_compile_reference_repeats: int  # the same in a train step
   compile_leaves: tuple[int, ...]  # tree sizes of the compile targets
+  minimal_norm_leaves: int  # of those, where optaxclip / the minimal norm is judged
   compile_skip_s: float | None  # optax's clip above 1000 leaves: skip when slower
   discard_first_compiles: bool  # one compile per candidate first, not timed
   transformer: dict[str, int]  # `_trees.transformer_shapes` arguments
+  guard_compile_repeats: int  # rounds of fresh compiles of the guarded steps
   traffic_parts: bool  # traffic of the transformer's large and small leaves apart
   scanned: dict[str, int]  # the same, without `layers`, for stacked layers
   scanned_layers: tuple[int, ...]
@@ -33,9 +35,10 @@ FULL = Config(
     mode="full", platform="cpu", repeats=15, train_step_repeats=31,
     standalone_repeats=41, compile_repeats=11, step_compile_repeats=3,
     compile_reference_repeats=3, step_compile_reference_repeats=1,
-    compile_leaves=(250, 500, 1000, 2000, 4000),
+    compile_leaves=(250, 500, 1000, 2000, 4000), minimal_norm_leaves=500,
     compile_skip_s=30.0, discard_first_compiles=True,
     transformer=dict(vocab=32000, d_model=512, layers=12, seq_len=1024),
+    guard_compile_repeats=5,
     traffic_parts=True,
     scanned=dict(vocab=32000, d_model=512, seq_len=1024), scanned_layers=(12, 48),
     scanned_clips=None,
@@ -44,7 +47,9 @@ FULL = Config(
 QUICK = dataclasses.replace(
     FULL, mode="quick", repeats=5, train_step_repeats=7, standalone_repeats=7,
     compile_repeats=1, step_compile_repeats=1, compile_leaves=(50, 100),
+    minimal_norm_leaves=100,
     transformer=dict(vocab=32000, d_model=256, layers=8, seq_len=512),
+    guard_compile_repeats=1,
     traffic_parts=False,
     scanned=dict(vocab=4096, d_model=128, seq_len=256), scanned_layers=(4,),
     many_leaves=250, many_leaves_runs=2, accuracy_size=10**7,
@@ -56,8 +61,8 @@ QUICK = dataclasses.replace(
 SMOKE = dataclasses.replace(
     FULL, mode="smoke", repeats=1, train_step_repeats=1, standalone_repeats=1,
     compile_repeats=1, step_compile_repeats=1, compile_reference_repeats=1,
-    step_compile_reference_repeats=1, compile_leaves=(8, 16),
-    discard_first_compiles=False,
+    step_compile_reference_repeats=1, compile_leaves=(8, 16), minimal_norm_leaves=16,
+    discard_first_compiles=False, guard_compile_repeats=1,
     transformer=dict(vocab=1100, d_model=32, layers=2, seq_len=32),
     scanned=dict(vocab=256, d_model=32, seq_len=32), scanned_layers=(2,),
     # each kind of row: a global clip, its leaf_norms twin, a per-layer clip

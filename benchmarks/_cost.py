@@ -28,7 +28,11 @@ _without_rescue = False  # whether this process builds norms without the rescue
 
 def bytes_accessed(fn: Callable[..., Any], *args: Any) -> float:
   """XLA's `bytes accessed` for `jax.jit(fn)` compiled for `args`."""
-  compiled = jax.jit(fn).lower(*args).compile()
+  return compiled_bytes(jax.jit(fn).lower(*args).compile())
+
+
+def compiled_bytes(compiled: Any) -> float:
+  """XLA's `bytes accessed` of a compiled program."""
   if _without_rescue and " conditional(" in compiled.as_text():  # the HLO op
     raise NoBuildWithoutRescue(
         "benchmarks/_cost.py: a program still has a conditional with "
@@ -40,16 +44,22 @@ def bytes_accessed(fn: Callable[..., Any], *args: Any) -> float:
   return float(analysis["bytes accessed"])
 
 
+def passes(fn: Callable[..., Any], *args: Any) -> float:
+  """`bytes_accessed(fn, *args)` over the bytes of `args[0]`: passes over
+  the gradient tree."""
+  return bytes_accessed(fn, *args) / _trees.tree_bytes(args[0])
+
+
 def alone(tx: optax.GradientTransformation, grads: Any) -> float:
   """Passes over `grads` of `jit(tx.update)(grads, state)`."""
-  return bytes_accessed(tx.update, grads, jax.eval_shape(tx.init, grads)) / _trees.tree_bytes(grads)
+  return passes(tx.update, grads, jax.eval_shape(tx.init, grads))
 
 
 def step(clip: optax.GradientTransformation | None, grads: Any) -> float:
   """Passes over `grads` of a whole AdamW step after `clip` (None: no clip),
   with parameters shaped as `grads`."""
   tx, fn = _candidates.adamw_step(clip)
-  return bytes_accessed(fn, grads, jax.eval_shape(tx.init, grads), grads) / _trees.tree_bytes(grads)
+  return passes(fn, grads, jax.eval_shape(tx.init, grads), grads)
 
 
 def traffic(clip_names: list[str], trees: dict[str, Any], *, rescue: bool = True
@@ -62,9 +72,6 @@ def traffic(clip_names: list[str], trees: dict[str, Any], *, rescue: bool = True
   a fresh process (`_timing.in_fresh_process`), which this one patches.
   """
   if not rescue:
-    if multiprocessing.parent_process() is None:
-      raise RuntimeError("benchmarks/_cost.py: traffic(rescue=False) patches the "
-                         "library: run it with _timing.in_fresh_process")
     without_rescue_branch()
   results = {}
   for tree_name, grads in trees.items():
@@ -87,8 +94,11 @@ def without_rescue_branch() -> None:
   library's documented setting `OPTAXCLIP_RESCUE=off` (docs/design.md):
   every program compiled afterwards is checked to have no conditional left
   (`bytes_accessed` raises otherwise). Call it only in a fresh process:
-  nothing else should run without the rescue.
+  nothing else should run without the rescue: the main process refuses.
   """
+  if multiprocessing.parent_process() is None:
+    raise RuntimeError("benchmarks/_cost.py: the build without the rescue branch "
+                       "patches the library: run it with _timing.in_fresh_process")
   os.environ["OPTAXCLIP_RESCUE"] = "off"
   jax.clear_caches()  # the norms are jit-cached: none traced before may stay
   global _without_rescue

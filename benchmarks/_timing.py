@@ -128,12 +128,18 @@ def compile_seconds(build: Callable[[], tuple[Callable[..., Any], tuple[Any, ...
   `jax.clear_caches()` drops every trace, lowering and executable of an
   earlier measurement.
   """
+  return timed_compile(build)[0]
+
+
+def timed_compile(build: Callable[[], tuple[Callable[..., Any], tuple[Any, ...]]]
+                  ) -> tuple[float, Any]:
+  """`compile_seconds(build)` and the compiled program (for its cost analysis)."""
   fn, args = build()
   jax.clear_caches()
   gc.collect()
   with Timer() as timer:
-    jax.jit(fn).lower(*args).compile()
-  return timer.seconds
+    compiled = jax.jit(fn).lower(*args).compile()
+  return timer.seconds, compiled
 
 
 def in_fresh_process(fn: Callable[..., Any], *args: Any,

@@ -1,17 +1,31 @@
 """Smoke test of the benchmark harness: `benchmarks/run.py --smoke` (tiny
 trees, one round) runs every target's code and writes its report. Timings
 are not checked (they depend on the machine), nor is how long the run
-takes: a loaded machine is slow, not wrong."""
+takes: a loaded machine is slow, not wrong. The programs the report
+compares with (the minimal norm, the hand-written AdamW floor) are checked
+to compute what they stand for."""
 
 import os
 import re
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 from helpers import run_process
 
-RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "run.py"
-TARGETS = ("compile_step", "compile", "traffic", "scanned", "train_step", "standalone",
+import optaxclip as oc
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+
+from benchmarks import _candidates  # noqa: E402
+
+RUN = ROOT / "benchmarks" / "run.py"
+TARGETS = ("compile_step", "compile", "traffic", "guards", "scanned", "train_step", "standalone",
            "many_leaves", "accuracy", "fallback")
 
 
@@ -44,11 +58,29 @@ def test_smoke_run_writes_every_table_and_plot(tmp_path):
   assert "## Summary" in markdown and "## Machine and versions" in markdown
   scanned = _section(markdown, "scanned")
   for row in ("| clip_by_global_norm(leaf_norms, layer_axis) | compile, step",
-              "| clip_by_norm(layer_axis) | run, clip alone", "| leaf_norms cost | traffic"):
+              "| clip_by_norm(layer_axis) | run, clip alone", "| leaf_norms cost | traffic",
+              "| adaptive_grad_clip(layer_axis) | compile, step extra (ratio)",
+              "| clip_by_global_norm(leaf_norms, layer_axis) | compile, step extra (ratio)"):
     assert row in scanned, row
   traffic = _section(markdown, "traffic")
   for part in ("| whole tree (", "| large leaves (", "| small leaves ("):
     assert part in traffic, f"no traffic row for the {part[2:-2]}"
+  guards = _section(markdown, "guards")
+  assert "| hand-written AdamW + exact rollback (floor) |" in guards
+  for row in ("| chain(clip, adamw) |", "| skip_step(adamw) |",
+              "| skip_step(chain(clip, adamw), zscore=6, loss_zscore=6) |",
+              "| dynamic_loss_scale(chain(clip, adamw)) |",
+              "| dynamic_loss_scale(skip_step(chain(clip, adamw), zscore=6)) |",
+              "| optax.apply_if_finite(chain(clip, adamw), 10) |",
+              "| chain(optax.clip_by_global_norm(1.0), adamw) |"):
+    assert guards.count(row) == 2, row  # its passes, then its compile time
+  # passes, beyond the clipped step, and the same without the rescue branch
+  assert re.search(r"\| skip_step\(adamw\) \| [\d.]+ \| \*\*\+[\d.]+\*\* \| \+[\d.]+ \|",
+                   guards), "no passes without the rescue branch"
+  for key, what in (("compile_step", "extra step compile time"),
+                    ("compile", "extra compile time")):
+    assert "Against the minimal norm" in _section(markdown, key), key
+    assert f"optaxclip's {what} / the minimal norm's |" in markdown, key
 
   for png in ("compile_step.png", "compile_time.png", "runtime.png"):
     assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
@@ -67,3 +99,41 @@ def test_every_target_has_a_definition():
   definitions = (RUN.parent / "README.md").read_text()
   for key in TARGETS:
     assert f'<a id="{key}"></a>' in definitions, key
+
+
+def test_minimal_norm_clips_as_the_global_norm_clip():
+  grads = {"a": jnp.arange(6.0).reshape(2, 3), "b": jnp.array([-4.0, 3.0])}
+  for max_norm in (1.0, 100.0):
+    tx = _candidates.minimal_norm_clip(max_norm)
+    ours, _ = tx.update(grads, tx.init(grads))
+    want, _ = oc.clip_by_global_norm(max_norm).update(
+        grads, oc.clip_by_global_norm(max_norm).init(grads))
+    for key in grads:
+      np.testing.assert_allclose(ours[key], want[key], rtol=1e-6)
+  zeros = jax.tree.map(jnp.zeros_like, grads)
+  clipped, _ = tx.update(zeros, tx.init(zeros))
+  assert all(bool(jnp.all(x == 0)) for x in jax.tree.leaves(clipped))
+
+
+def test_handwritten_adamw_is_optax_adamw_and_rolls_back_exactly():
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.standard_normal((3, 4)), jnp.float32),
+            "b": jnp.asarray(rng.standard_normal(4), jnp.float32)}
+  tx = optax.adamw(1e-3)
+  state, ours = tx.init(params), _candidates.handwritten_adamw_init(params)
+  want, got = params, params
+  plain = jax.jit(_candidates.handwritten_adamw_step(rollback=False))
+  rollback = jax.jit(_candidates.handwritten_adamw_step(rollback=True))
+  for i in range(3):
+    grads = jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 1)), params)
+    updates, state = tx.update(grads, state, want)
+    want = optax.apply_updates(want, updates)
+    got, new = plain(grads, ours, got, jnp.bool_(False))
+    assert rollback(grads, ours, got, jnp.bool_(False))[1][0] == new[0]
+    kept_params, kept = rollback(grads, ours, got, jnp.bool_(True))
+    for a, b in zip(jax.tree.leaves((kept_params, kept)), jax.tree.leaves((got, ours))):
+      np.testing.assert_array_equal(a, b)  # a skipped step: bit for bit as before
+    ours = new
+  for key in params:
+    np.testing.assert_allclose(got[key], want[key], rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(ours[1]["w"], state[0].mu["w"], rtol=1e-6)

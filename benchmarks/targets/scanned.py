@@ -63,6 +63,11 @@ CLIPS: dict[str, tuple[Build, str]] = {
     "adagc(layer_axis)": (lambda axis: oc.adagc(layer_axis=axis), "optax clip"),
 }
 NO_FLOOR = ("adaptive_grad_clip(layer_axis)",)  # its floor counts the params too
+# Layer-aware clips whose optax counterpart does the same work on the tree
+# (without layers): their extra step compile time / the counterpart's.
+COUNTERPARTS = ("clip_by_global_norm(leaf_norms, layer_axis)",
+                "adaptive_grad_clip(layer_axis)", "clip_by_block_rms(layer_axis)")
+COUNTERPART_LIMIT = 1.5
 # What leaf_norms=True adds: (with, without).
 LEAF_NORMS = ("clip_by_global_norm(leaf_norms, layer_axis)", "clip_by_global_norm")
 LEAF_NORMS_TRAFFIC_LIMIT = 0.01  # passes: the norms written to the state are scalars
@@ -187,6 +192,8 @@ def _clip_rows(layers: int, name: str, c: dict[str, list[float]],
        f"**{ratio:.3f}** x {reference} ({interval(low, high)})",
        "interval contains 1.0 or below", verdict(outcomes[2])],
   ]
+  counterpart = [_counterpart_row(layers, name, c)] if name in COUNTERPARTS else []
+  rows += [row for row, _ in counterpart]
   without = traffic.get("without rescue")
   for measure_, floor in (("alone", 3.0), ("step extra", 1.0)):
     rescue_free = (f" ({without[name][measure_]:.3f} without the rescue branch)"
@@ -204,8 +211,28 @@ def _clip_rows(layers: int, name: str, c: dict[str, list[float]],
             f"<= {ALONE_RATIO_LIMIT}", outcomes[1]),
       Check(f"{what}: run time / {reference}, 95% interval", interval(low, high),
             "contains 1.0 or below", outcomes[2]),
+      *(check for _, check in counterpart),
   ]
   return rows, checks
+
+
+def _counterpart_row(layers: int, name: str, c: dict[str, list[float]]
+                     ) -> tuple[list[str], Check]:
+  """The step's extra compile time (over AdamW's) against optax's counterpart's,
+  median of the per-round ratios."""
+  reference = CLIPS[name][1]
+  rounds = zip(c[f"{name} + adamw"], c[f"{reference} + adamw"], c["adamw"])
+  # No ratio in a round where optax's step compiled no slower than AdamW's
+  # (noise, on a smoke run's tiny tree).
+  ratios = [(ours - adamw) / (theirs - adamw) for ours, theirs, adamw in rounds
+            if theirs > adamw]
+  ratio = statistics.median(ratios) if ratios else None
+  passed = ratio is not None and ratio <= COUNTERPART_LIMIT
+  shown = "—" if ratio is None else f"{ratio:.2f}"
+  row = [str(layers), name, "compile, step extra (ratio)", "", "", "",
+         f"**{shown}** x {reference}'s", f"<= {COUNTERPART_LIMIT}", verdict(passed)]
+  return row, Check(f"{layers} layers: {name}: extra step compile time / {reference}'s",
+                    shown, f"<= {COUNTERPART_LIMIT}", passed)
 
 
 def _leaf_norm_rows(layers: int, c: dict[str, list[float]], run: dict[str, list[float]],
