@@ -110,13 +110,13 @@ def clip_by_block_rms_fn(tree: PyTree, threshold: Scalar, *,
     >>> grads = {"w": jnp.array([3.0, 4.0]), "b": jnp.array([0.5, -0.5])}
     >>> clipped = oc.functional.clip_by_block_rms(grads, 1.0)
     >>> clipped["w"], clipped["b"]  # rms 3.54: scaled by 1 / 3.54; rms 0.5: kept
-    (Array([0.8485281, 1.1313708], dtype=float32), Array([ 0.5, -0.5], dtype=float32))
+    (Array([0.84852815, 1.1313709 ], dtype=float32), Array([ 0.5, -0.5], dtype=float32))
     >>> oc.functional.clip_by_block_rms([jnp.full(4, 1e20)], 1.0)  # no overflow
     [Array([1., 1., 1., 1.], dtype=float32)]
     >>> stacked = jnp.array([[3.0, 4.0], [0.5, -0.5]])  # two layers
     >>> oc.functional.clip_by_block_rms([stacked], 1.0, layer_axis=0)
-    [Array([[ 0.8485281,  1.1313708],
-           [ 0.5      , -0.5      ]], dtype=float32)]
+    [Array([[ 0.84852815,  1.1313709 ],
+           [ 0.5       , -0.5       ]], dtype=float32)]
   """
   fn = "clip_by_block_rms"
   threshold = _validation.check_nonnegative(fn, "threshold", threshold,
@@ -161,7 +161,7 @@ def clip_by_block_rms(threshold: Scalar, *, axis_name: AxisName = None,
     >>> grads = {"w": jnp.array([3.0, 4.0]), "b": jnp.array([0.5, -0.5])}
     >>> updates, state = tx.update(grads, tx.init(grads))
     >>> updates["w"]
-    Array([0.8485281, 1.1313708], dtype=float32)
+    Array([0.84852815, 1.1313709 ], dtype=float32)
     >>> state.rms, state.scale  # the largest leaf RMS, the smallest factor
     (Array(3.535534, dtype=float32), Array(0.2828427, dtype=float32))
   """

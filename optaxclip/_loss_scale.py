@@ -145,19 +145,18 @@ def loss_scale(opt_state: optax.OptState) -> jax.Array:
   return found[0].scale
 
 
-def unscale(updates: PyTree, state: LossScaleState, where: _core.Where,
-            given: Any = None) -> tuple[PyTree, jax.Array, _core.KnownNorm]:
+def unscale(updates: PyTree, state: LossScaleState, where: _core.Where
+            ) -> tuple[PyTree, jax.Array, _core.KnownNorm]:
   """The updates divided by the scale (zeros on an overflow), whether they
   were finite, and their norm, for a clipper inside to take.
 
   Judged from the norm of the scaled updates divided by the scale
   (overflow-safe: Inf or NaN exactly when an unscaled entry is, or when the
   norm itself is beyond the float range): one read, which a ``skip_step``
-  outside may have made already (``given``), and no copy of the unscaled
-  updates (measured: taking the norm of the unscaled ones costs 2 passes).
+  outside may have made already (``_core.sharing``), and no copy of the
+  unscaled updates (measured: the norm of the unscaled ones costs 2 passes).
   """
-  measured = _core.measure("dynamic_loss_scale", updates, 2, where,
-                           given=given)
+  measured = _core.measure("dynamic_loss_scale", updates, 2, where)
   norm = measured.total / state.scale.astype(measured.total.dtype)
   finite = jnp.isfinite(norm)
   # A multiply by 1/scale: exact for powers of two, and each leaf keeps its
@@ -375,11 +374,11 @@ def dynamic_loss_scale(
     accumulated = None if k is None else _accumulator(fn, params)
     return LossScaleWrapperState(state, inner_state, accumulated)
 
-  def update_fn(updates, state, params=None, *, grad_norm=None, **extra_args):
+  def update_fn(updates, state, params=None, **extra_args):
     _validation.check_update(fn, updates, state, LossScaleState if wrapped is None
                              else LossScaleWrapperState)
     old = state if wrapped is None else state.loss_scale
-    unscaled, finite, known = unscale(updates, old, where, grad_norm)
+    unscaled, finite, known = unscale(updates, old, where)
     new, grads, accumulated, step, at_floor = _advance(
         old, finite, unscaled, None if wrapped is None else state.accumulated,
         schedule, k)
@@ -387,10 +386,10 @@ def dynamic_loss_scale(
       raise_at_floor(fn, at_floor, old.scale)
     if wrapped is None:
       return grads, new
-    if k is None:  # a clipper inside takes the norm (a window: its sum's)
-      extra_args = {**extra_args, "grad_norm": known}
-    new_updates, new_inner = wrapped.update(grads, state.inner_state,
-                                            params, **extra_args)
+    # A clipper inside takes the norm (with a window: the sum's, measured).
+    with _core.sharing(known):
+      new_updates, new_inner = wrapped.update(grads, state.inner_state,
+                                              params, **extra_args)
     # Selected on the device (no host sync): an overflow drops the step.
     new_updates = _scaling.zero_unless(step, new_updates)
     new_inner = jax.tree.map(lambda new, old: jnp.where(step, new, old),

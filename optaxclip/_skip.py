@@ -146,10 +146,11 @@ def _run_inner(inner, judge, measured: _core.Measured, updates: PyTree,
                update_where: _core.Where | None, loss_scaled: bool, dtype):
   """``(skip, stats, inner's updates, inner's state)``: the decision
   (``judge``, ``_skip_stats.step`` with the step's values) and inner's
-  update, which takes the measured norm instead of reading again."""
+  update, whose clipper takes the measured norm instead of reading again
+  (``_core.sharing``)."""
   def run(feed, known):
-    return inner.update(feed, inner_state, params, **extra_args,
-                        grad_norm=known)
+    with _core.sharing(known):
+      return inner.update(feed, inner_state, params, **extra_args)
 
   if update_where is not None:  # the update's norm judged too: inner first
     new_updates, new_inner = run(updates, measured.known())

@@ -69,6 +69,8 @@ class ZClipState(NamedTuple):
     leaf_norms: with ``leaf_norms=True``, the last update's norm of every
       leaf (per layer where ``layer_axis`` says), as in ``ClipState``;
       otherwise None.
+    stack_norms: with ``leaf_norms=True``, the whole norm of every leaf
+      that stacks layers, as in ``ClipState``; otherwise None.
   """
   mean: jax.Array
   var: jax.Array

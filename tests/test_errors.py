@@ -259,7 +259,7 @@ BAD_ARGUMENTS = [
         ("max", ValueError, r" must be one of 'adaptive_scaling', 'mean', got 'max'")]),
     *_rows(["zclip", "adagc"], "warmup_steps", [
         (0, ValueError, r" must be an int >= 1, got 0"),
-        (2.0, TypeError, r" must be an int >= 1, got 2.0 of type float"),
+        (2.5, TypeError, r" must be an int >= 1, got 2.5 of type float"),
         (None, TypeError, r" must be an int >= 1, got None"),
         (jnp.array(0), ValueError, r" must be an int >= 1, got Array\(0"),
         (jnp.ones(2, jnp.int32), TypeError, r" must be a scalar, got an array of shape"),
@@ -296,7 +296,7 @@ BAD_ARGUMENTS = [
         (None, TypeError, r" must be a real number, got None")]),
     *_rows(["dynamic_loss_scale"], "period", [
         (0, ValueError, r" must be an int >= 1, got 0"),
-        (2.0, TypeError, r" must be an int >= 1, got 2.0"),
+        (2.5, TypeError, r" must be an int >= 1, got 2.5"),
         (True, TypeError, r" must be an int >= 1, got True")]),
     *_rows(["dynamic_loss_scale"], "factor", [
         (0.5, ValueError, r" must be a finite number >= 1, got 0.5"),

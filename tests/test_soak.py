@@ -350,10 +350,13 @@ def _exact_skip_counters(stats, kinds):
   np.testing.assert_array_equal(_marks(stats.nonfinite_count), bad)
   np.testing.assert_array_equal(_marks(stats.loss_nonfinite_count), bad)
   skipped = _marks(stats.skipped_count)
+  by_update = (False if stats.skipped_by_update is None  # not measured
+               else stats.skipped_by_update)
   np.testing.assert_array_equal(
-      skipped, stats.skipped_by_norm | stats.skipped_by_loss | stats.skipped_by_update)
-  would = (_marks(stats.zscore_count) | _marks(stats.loss_zscore_count)
-           | _marks(stats.update_zscore_count))
+      skipped, stats.skipped_by_norm | stats.skipped_by_loss | by_update)
+  would = _marks(stats.zscore_count) | _marks(stats.loss_zscore_count)
+  if stats.update_zscore_count is not None:
+    would = would | _marks(stats.update_zscore_count)
   np.testing.assert_array_equal(_marks(stats.forced_count), would & ~skipped & ~bad)
   assert skipped[bad].all()
   assert _longest_run(skipped & ~bad) <= 4

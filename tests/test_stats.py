@@ -102,10 +102,10 @@ def test_stats_keys_name_every_leaf_and_layer():
   _, state = run_once(tx, grads)
   found = oc.stats(state)
   leaf_keys = sorted(k for k in found if "/leaf_norm/" in k)
+  stacks = ["layers/attn/kernel", "layers/mlp/0", "layers/mlp/1"]
   assert leaf_keys == sorted(
-      [f"clip/leaf_norm/layers/attn/kernel/{i}" for i in range(4)]
-      + [f"clip/leaf_norm/layers/mlp/0/{i}" for i in range(4)]
-      + [f"clip/leaf_norm/layers/mlp/1/{i}" for i in range(4)]
+      [f"clip/leaf_norm/{stack}/{i}" for stack in stacks for i in range(4)]
+      + [f"clip/leaf_norm/{stack}" for stack in stacks]  # the whole stack's
       + ["clip/leaf_norm/emb", "clip/leaf_norm/bias"])
   kernel = np_leaf_norm(grads["layers"]["attn"]["kernel"], 2, 0)
   np.testing.assert_allclose(found["clip/leaf_norm/layers/attn/kernel/3"], kernel[3],
@@ -134,7 +134,8 @@ def test_stats_keys_of_attributes_and_named_tuples():
                                                          "pair": None, "list": None})
   _, state = run_once(tx, grads)
   assert sorted(k for k in oc.stats(state) if "leaf_norm" in k) == [
-      "clip/leaf_norm/block/kernel/0", "clip/leaf_norm/block/kernel/1",
+      "clip/leaf_norm/block/kernel", "clip/leaf_norm/block/kernel/0",
+      "clip/leaf_norm/block/kernel/1",
       "clip/leaf_norm/block/scale", "clip/leaf_norm/list/0",
       "clip/leaf_norm/pair/first", "clip/leaf_norm/pair/second"]
 

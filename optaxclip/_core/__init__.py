@@ -29,6 +29,7 @@ from optaxclip._core._measure import global_norm as global_norm
 from optaxclip._core._measure import measure as measure
 from optaxclip._core._measure import measure_pair as measure_pair
 from optaxclip._core._measure import norm_of as norm_of
+from optaxclip._core._measure import sharing as sharing
 from optaxclip._core._measure import sum_over_examples as sum_over_examples
 from optaxclip._core._measure import unit_shapes as unit_shapes
 from optaxclip._core._mesh import HERE as HERE

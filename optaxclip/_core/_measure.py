@@ -7,9 +7,11 @@ all devices' units: statistics over it need no second all-reduce), and
 any per-unit values (factors) laid back onto the leaves.
 """
 
+import contextlib
+import contextvars
 import math
 import string
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import jax
@@ -238,11 +240,31 @@ def measure(fn: str, tree: PyTree, p, where: Where = HERE,
                   here=here, **common)
 
 
+_SHARED: contextvars.ContextVar[tuple[KnownNorm, ...]] = contextvars.ContextVar(
+    "optaxclip_shared_norms", default=())
+
+
+@contextlib.contextmanager
+def sharing(known: KnownNorm) -> Iterator[None]:
+  """While inside, a ``measure`` of the very leaves ``known`` was taken of
+  (the same tracers, order and mesh) takes its total instead of reading
+  them again: how ``skip_step`` and ``dynamic_loss_scale`` hand their norm
+  to the clipper inside them, whatever that inner transform's signature.
+  Any other leaves are measured as usual."""
+  token = _SHARED.set(_SHARED.get() + (known,))
+  try:
+    yield
+  finally:
+    _SHARED.reset(token)
+
+
 def _given_total(fn: str, given, leaves: list[jax.Array], p,
                  where: Where) -> jax.Array | None:
-  """The total from ``given``, or None: measure."""
+  """The total from ``given`` or from a norm shared upstream, or None:
+  measure."""
   if given is None:
-    return None
+    return next((known.total for known in _SHARED.get()
+                 if known.of(leaves, p, where)), None)
   if isinstance(given, KnownNorm):
     return given.total if given.of(leaves, p, where) else None
   norm = _validation.scalar(fn, "grad_norm", given)

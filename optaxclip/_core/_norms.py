@@ -28,16 +28,17 @@ from optaxclip._core._sums import norms_of
 from optaxclip._core._tangents import norm_tangents
 
 
-def _roots_of_sizes(leaves, keep, reduction: Reduction, acc) -> jax.Array:
+def _roots_of_sizes(leaves, keep, reduction: Reduction, acc) -> np.ndarray:
   """Per unit of every device, the square root of its entries over all
-  devices (an empty unit counts 1): what turns a 2-norm into an RMS."""
+  devices (an empty unit counts 1): what turns a 2-norm into an RMS. A
+  numpy constant: a custom derivative may not close over a staged one."""
   sizes = [reduction.whole_count(i, math.prod(
       d for a, d in enumerate(x.shape) if a not in kept))
            for i, (x, kept) in enumerate(zip(leaves, keep))]
   units = reduction.unit_counts(tuple(
       math.prod(x.shape[a] for a in kept) for x, kept in zip(leaves, keep)))
   sizes = np.repeat(np.asarray(sizes, np.float64), units)
-  return jnp.asarray(np.sqrt(np.where(sizes > 0, sizes, 1)), acc)
+  return np.sqrt(np.where(sizes > 0, sizes, 1)).astype(acc)
 
 
 def _p_norms(leaves, p, reduction: Reduction, keep: tuple[Keep, ...] | None,

@@ -27,6 +27,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from optaxclip._core import _exact
@@ -232,7 +233,8 @@ def _rescued_roots(grouped, p, acc, reduction, sums, floor, divisor, *,
 
 
 def norms_of(grouped: Grouped, p, acc, reduction: Reduction, *,
-             total: bool, divisor: jax.Array | None = None) -> jax.Array:
+             total: bool, divisor: jax.Array | np.ndarray | None = None
+             ) -> jax.Array:
   """The ``p``-norm of each unit of ``grouped`` (a vector in unit order) or,
   with ``total``, of all of them (a scalar): plain power sums, and the
   rescue only where they fail. With ``divisor`` (one per unit), each norm
