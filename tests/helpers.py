@@ -9,6 +9,7 @@ running a subprocess.
 
 import math
 import os
+import pathlib
 import re
 import signal
 import subprocess
@@ -321,6 +322,17 @@ def hlo_ops(hlo: str, op: str) -> tuple[int, int]:
 
 # --------------------------------------------------------------------------
 # Subprocesses
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def checkout_env(**extra) -> dict[str, str]:
+  """This process's environment, ``extra`` added, with this checkout first on
+  ``PYTHONPATH``: a script run in a subprocess imports the optaxclip under
+  test, not whichever one the environment installed."""
+  path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+  return {**os.environ, **extra, "PYTHONPATH": path}
+
 
 def run_process(args, **kwargs) -> subprocess.CompletedProcess:
   """Runs ``args`` to the end and returns its exit status and output.

@@ -10,7 +10,6 @@ one step that computes every function and transform at once.
 
 import functools
 import math
-import os
 import pathlib
 import re
 import sys
@@ -22,6 +21,7 @@ import optax
 import pytest
 from helpers import (
   AXIS_TYPES,
+  checkout_env,
   f64,
   hlo_ops,
   make_mesh,
@@ -326,8 +326,8 @@ def remat_probe():
 
 def test_gspmd_no_involuntary_rematerialization():
   # XLA logs the warning from C++; conftest silences that log in this process.
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="1",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env = checkout_env(TF_CPP_MIN_LOG_LEVEL="1",
+                     XLA_FLAGS="--xla_force_host_platform_device_count=8")
   code = _REMAT_PROBE.format(tests=str(pathlib.Path(__file__).parent))
   run = run_process([sys.executable, "-c", code], env=env)
   assert run.returncode == 0, run.stderr[-3000:]

@@ -33,7 +33,7 @@ import sys
 import textwrap
 
 import pytest
-from helpers import run_process
+from helpers import checkout_env, run_process
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -175,10 +175,9 @@ def test_reference_blocks_show_output_and_are_marked():
 
 def test_distributed_page_on_8_devices():
   """docs/distributed.md runs on 8 (host) devices as well as on one."""
-  env = dict(os.environ)
+  env = checkout_env(JAX_PLATFORMS="cpu")
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                       " --xla_force_host_platform_device_count=8").strip()
-  env["JAX_PLATFORMS"] = "cpu"
   result = run_process(
       [sys.executable, str(pathlib.Path(__file__)), "distributed.md", "8"],
       env=env, cwd=ROOT)

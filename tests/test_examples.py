@@ -1,19 +1,19 @@
 """The README's demo runs end to end (in its tiny configuration)."""
 
-import os
 import pathlib
 import re
 import sys
 
-from helpers import run_process
+from helpers import checkout_env, run_process
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def run_ok(args, **kwargs):
-  """Runs an example to the end (no time limit); it must exit with 0."""
-  result = run_process(args, **kwargs)
+def run_ok(args):
+  """Runs an example to the end (no time limit), with this checkout's
+  optaxclip; it must exit with 0."""
+  result = run_process(args, env=checkout_env())
   assert result.returncode == 0, result.stdout + result.stderr
   return result
 
@@ -68,11 +68,8 @@ def test_log_stats_example_writes_csv_and_plot(tmp_path):
 
 def test_scanned_training_quick_logs_per_layer_norms(tmp_path):
   png = tmp_path / "layers.png"
-  # This checkout's optaxclip, not whichever one the environment installed.
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-      [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
   result = run_ok([sys.executable, str(ROOT / "examples" / "scanned_training.py"), "--quick",
-                   "--out", str(png)], env=env)
+                   "--out", str(png)])
   # One norm per stacked layer (2 in the quick configuration), all finite.
   norms = re.search(r"last step's layer norms: (.*)", result.stdout)
   assert norms, result.stdout
