@@ -57,6 +57,7 @@ schedule (``jmp`` loses ``min_loss_scale`` on a ``jit`` round-trip).
 from typing import Any, NamedTuple, TypeGuard
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import optax
 
@@ -145,28 +146,54 @@ def loss_scale(opt_state: optax.OptState) -> jax.Array:
   return found[0].scale
 
 
-def unscale(updates: PyTree, state: LossScaleState, where: _core.Where
+def unscale(updates: PyTree, state: LossScaleState, where: _core.Where,
+            may_shrink: bool = False
             ) -> tuple[PyTree, jax.Array, _core.KnownNorm]:
   """The updates divided by the scale (zeros on an overflow), whether they
   were finite, and their norm, for a clipper inside to take.
 
   Judged from the norm of the scaled updates divided by the scale
-  (overflow-safe: Inf or NaN exactly when an unscaled entry is, or when the
-  norm itself is beyond the float range): one read, which a ``skip_step``
+  (overflow-safe: Inf or NaN when an unscaled entry is, or when the norm
+  itself is beyond the float range): one read, which a ``skip_step``
   outside may have made already (``_core.sharing``), and no copy of the
   unscaled updates (measured: the norm of the unscaled ones costs 2 passes).
+  A scale below 1 (``may_shrink``: ``min_scale < 1``) can push an unscaled
+  entry past its own dtype's range while the float32 norm stays finite
+  (a float16 entry of 6e4 divided by 2**-20): those leaves are judged by
+  their largest entry as well (a reduction XLA fuses with the norm's).
   """
   measured = _core.measure("dynamic_loss_scale", updates, 2, where)
   norm = measured.total / state.scale.astype(measured.total.dtype)
   finite = jnp.isfinite(norm)
+  inverse = 1 / state.scale
+  if may_shrink:
+    finite = finite & _unscaled_in_range(updates, inverse, norm.dtype, where)
   # A multiply by 1/scale: exact for powers of two, and each leaf keeps its
   # dtype (half precision is unscaled in float32 and rounded once). Zeros
   # rather than Inf/NaN: nothing after the loss scaling sees them.
   unscaled = _scaling.zero_unless(
-      finite, _scaling.scale_leaves(updates, 1 / state.scale))
+      finite, _scaling.scale_leaves(updates, inverse))
   known = _core.KnownNorm(jnp.where(finite, norm, 0), 2, where,
                           tuple(_tree.clippable_leaves(unscaled)))
   return unscaled, finite, known
+
+
+def _unscaled_in_range(updates: PyTree, inverse: jax.Array,
+                       norm_dtype: Any, where: _core.Where) -> jax.Array:
+  """Whether every leaf narrower than the norm stays finite once unscaled:
+  its largest magnitude times ``1/scale``, rounded to its dtype (exact, as
+  the multiply and the rounding are monotone), on every device."""
+  wide = jnp.finfo(norm_dtype).max
+  in_range = jnp.asarray(True)
+  for leaf in _tree.clippable_leaves(updates):
+    if leaf.size == 0 or jnp.finfo(leaf.dtype).max >= wide:
+      continue
+    real = jnp.finfo(leaf.dtype).dtype  # complex: its parts' dtype
+    largest = jnp.max(jnp.abs(leaf)).astype(jnp.float32)
+    in_range &= jnp.isfinite((largest * inverse).astype(real))
+  if where.axis_names:  # one collective, for the step every device takes
+    in_range = lax.pmin(in_range.astype(jnp.int32), where.axis_names) > 0
+  return in_range
 
 
 def _accumulator(fn: str, params: PyTree) -> PyTree:
@@ -361,6 +388,8 @@ def dynamic_loss_scale(
                                         raise_error_at_min_scale)
   k = _windows(fn, every_k_steps, inner)
   where = _core.Where.of(fn, axis_name)
+  may_shrink = _validation.is_traced(schedule.min_scale) \
+      or float(schedule.min_scale) < 1
   wrapped = None if inner is None else optax.with_extra_args_support(inner)
 
   def init_fn(params):
@@ -378,7 +407,7 @@ def dynamic_loss_scale(
     _validation.check_update(fn, updates, state, LossScaleState if wrapped is None
                              else LossScaleWrapperState)
     old = state if wrapped is None else state.loss_scale
-    unscaled, finite, known = unscale(updates, old, where)
+    unscaled, finite, known = unscale(updates, old, where, may_shrink)
     new, grads, accumulated, step, at_floor = _advance(
         old, finite, unscaled, None if wrapped is None else state.accumulated,
         schedule, k)

@@ -1108,6 +1108,51 @@ def test_loss_scale_unscales_exactly_at_every_power_of_two(exponent, unit):
   assert int(state.overflow_count) == 0
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_scale_below_one_that_overflows_the_dtype_is_an_overflow(
+    dtype, wrapped):
+  # Dividing by a scale below 1 can take a finite entry past its dtype's
+  # range while the float32 norm stays finite: that step is an overflow
+  # (its unscaled update would carry Inf), never an Inf passed on.
+  top = float(jnp.finfo(dtype).max)
+  scale = 2.0**-20
+  inner = optax.sgd(1.0) if wrapped else None
+  tx = oc.dynamic_loss_scale(scale, inner=inner, min_scale=scale)
+  params = {"w": jnp.zeros(3, dtype), "b": jnp.zeros(2, jnp.float32)}
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  near_top = {"w": jnp.array([top / 2, 1.0, 0.0], dtype),
+              "b": jnp.ones(2, jnp.float32)}
+  out, state = update(near_top, state, params)
+  assert all(bool(jnp.all(x == 0)) for x in jax.tree.leaves(out))
+  scale_state = state.loss_scale if wrapped else state
+  assert int(scale_state.overflow_count) == 1
+  # Entries whose unscaled value fits pass on, exactly unscaled.
+  fits = {"w": jnp.array([top * scale / 4, -scale, 0.0], dtype),
+          "b": jnp.ones(2, jnp.float32)}
+  out, state = update(fits, state, params)
+  scale_state = state.loss_scale if wrapped else state
+  assert int(scale_state.overflow_count) == 1
+  expected = (fits["w"].astype(jnp.float32) / scale).astype(dtype)
+  got = -out["w"] if wrapped else out["w"]
+  np.testing.assert_array_equal(got, expected)
+  assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(out))
+
+
+def test_the_range_check_costs_nothing_at_the_default_floor():
+  # With min_scale >= 1 the scale never drops below 1, so unscaling cannot
+  # overflow: no reduction beyond the norm's is compiled.
+  grads = {"w": jnp.ones((64, 64), jnp.float16)}
+
+  def reductions(tx):
+    hlo = jax.jit(tx.update).lower(grads, tx.init(grads)).as_text()
+    return hlo.count("reduce(") + hlo.count("stablehlo.reduce")
+
+  assert reductions(oc.dynamic_loss_scale(2.0**15)) < reductions(
+      oc.dynamic_loss_scale(2.0**15, min_scale=2.0**-126))
+
+
 def test_traced_initial_scale_acts_as_one():
   params = {"w": jnp.array([[1.0, -2.0], [0.5, 1.0]]), "b": jnp.array([0.1, 0.0])}
   tx = optax.inject_hyperparams(oc.dynamic_loss_scale)(initial_scale=-4.0)
