@@ -57,9 +57,9 @@ schedule (``jmp`` loses ``min_loss_scale`` on a ``jit`` round-trip).
 from typing import Any, NamedTuple, TypeGuard
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 from optaxclip import _core, _counters, _placement, _scaling, _stats, _tree, _validation
 from optaxclip._loss_scale_schedule import (
