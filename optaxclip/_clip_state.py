@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from optaxclip import _core, _counters, _leaf_stats, _running_stats, _stats
+from optaxclip._counters import Counter
 from optaxclip._types import PyTree
 
 
@@ -39,9 +40,9 @@ class ClipState(NamedTuple):
   """
   norm: jax.Array
   scale: jax.Array
-  count: jax.Array
-  clipped_count: jax.Array
-  nonfinite_count: jax.Array
+  count: Counter
+  clipped_count: Counter
+  nonfinite_count: Counter
   leaf_norms: PyTree = None
   stack_norms: PyTree = None
 

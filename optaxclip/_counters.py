@@ -10,19 +10,21 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+Counter = jax.Array  # int32 [], saturating: a state field counting steps
 
-def zero() -> jax.Array:
+
+def zero() -> Counter:
   """A fresh int32 counter (its own buffer: a state's fields never alias,
   so that ``jit`` can donate them)."""
   return jnp.zeros([], jnp.int32)
 
 
-def increment(counter: jax.Array) -> jax.Array:
+def increment(counter: Counter) -> Counter:
   """``counter + 1``, saturating at the int32 maximum."""
   return count_if(True, counter)
 
 
-def count_if(flag: jax.typing.ArrayLike, counter: jax.Array) -> jax.Array:
+def count_if(flag: jax.typing.ArrayLike, counter: Counter) -> Counter:
   """``counter + 1`` where ``flag`` (saturating at the int32 maximum)."""
   # An add of a 0/1 rather than a select between two counts: every op here
   # is compiled into the step, and XLA:CPU pays for each.

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from optaxclip import _counters, _leaf_stats, _running_stats, _spike_stats, _stats
+from optaxclip._counters import Counter
 from optaxclip._spike_stats import Running
 from optaxclip._types import Scalar
 
@@ -71,29 +72,29 @@ class SkipStats(NamedTuple):
     loss_stats: the same for the finite losses.
     update_stats: the same for the finite update norms (None when not
       measured).
-    leaf_norms: with ``leaf_norms=True``, the last step's norm of every
-      leaf (per layer where ``layer_axis`` says), as in ``ClipState``;
+    leaf_norms: with ``leaf_norms=True``, each leaf's norm at the last
+      step (per layer where ``layer_axis`` says; see ``ClipState``);
       otherwise None.
-    stack_norms: with ``leaf_norms=True``, the whole norm of every leaf
-      that stacks layers, as in ``ClipState``; otherwise None.
+    stack_norms: with ``leaf_norms=True``, each stack of layers' whole
+      norm at the last step; otherwise None.
   """
   norm: jax.Array
-  count: jax.Array
-  skipped_count: jax.Array
-  forced_count: jax.Array
-  nonfinite_count: jax.Array
-  max_norm_count: jax.Array
-  zscore_count: jax.Array
+  count: Counter
+  skipped_count: Counter
+  forced_count: Counter
+  nonfinite_count: Counter
+  max_norm_count: Counter
+  zscore_count: Counter
   skipped_by_norm: jax.Array
   skipped_by_loss: jax.Array
   loss: jax.Array
   loss_zscore: jax.Array
-  loss_zscore_count: jax.Array
-  loss_nonfinite_count: jax.Array
+  loss_zscore_count: Counter
+  loss_nonfinite_count: Counter
   update_norm: PyTree  # jax.Array, or None when not measured
   update_zscore_count: PyTree
   skipped_by_update: PyTree
-  skip_streak: jax.Array
+  skip_streak: Counter
   norm_stats: Running
   loss_stats: Running
   update_stats: PyTree  # Running, or None when not measured

@@ -24,6 +24,7 @@ from optaxclip import (
   _stats,
   _validation,
 )
+from optaxclip._counters import Counter
 from optaxclip._types import AxisName, Scalar
 
 PyTree = Any
@@ -53,6 +54,10 @@ class ZClipState(NamedTuple):
     warmup_norms: float ``[warmup_steps]``: the norms seen in the warm-up.
     collected: int32 ``[]``: finite norms collected; the warm-up ends when
       it reaches ``warmup_steps``.
+    stale_count: int32 ``[]``: finite norms in a row, after the warm-up,
+      100 times below the mean (3 start a new warm-up).
+    spike_streak: int32 ``[]``: finite norms in a row, after the warm-up,
+      detected as spikes (past ``max_consecutive_spikes``, let through).
     norm: float ``[]``: the pre-clip global norm of the last update.
     z: float ``[]``: the z-score of the last norm (0 during the warm-up).
     threshold: float ``[]``: the norm the last update was clipped to (the
@@ -62,10 +67,6 @@ class ZClipState(NamedTuple):
     clipped_count: int32 ``[]``: steps with a finite norm and ``scale < 1``.
     spike_count: int32 ``[]``: steps cut as spikes (after the warm-up).
     nonfinite_count: int32 ``[]``: steps whose norm was NaN or Inf.
-    stale_count: int32 ``[]``: finite norms in a row, after the warm-up,
-      100 times below the mean (3 start a new warm-up).
-    spike_streak: int32 ``[]``: finite norms in a row, after the warm-up,
-      detected as spikes (past ``max_consecutive_spikes``, let through).
     leaf_norms: with ``leaf_norms=True``, the last update's norm of every
       leaf (per layer where ``layer_axis`` says), as in ``ClipState``;
       otherwise None.
@@ -75,18 +76,18 @@ class ZClipState(NamedTuple):
   mean: jax.Array
   var: jax.Array
   warmup_norms: jax.Array
-  collected: jax.Array
+  collected: Counter
+  # Bookkeeping of restarts and let-through spikes, hidden from stats:
+  stale_count: Counter
+  spike_streak: Counter
   norm: jax.Array
   z: jax.Array
   threshold: jax.Array
   scale: jax.Array
-  count: jax.Array
-  clipped_count: jax.Array
-  spike_count: jax.Array
-  nonfinite_count: jax.Array
-  # Bookkeeping, hidden from optaxclip.stats:
-  stale_count: jax.Array
-  spike_streak: jax.Array
+  count: Counter
+  clipped_count: Counter
+  spike_count: Counter
+  nonfinite_count: Counter
   leaf_norms: PyTree = None
   stack_norms: PyTree = None
 
