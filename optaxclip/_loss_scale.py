@@ -338,7 +338,9 @@ def dynamic_loss_scale(
     initial_scale: the first scale, in [2**-126, 2**126]; or ``inner``.
     period: finite optimizer steps in a row before the scale grows.
     factor: what the scale is multiplied or divided by (a number >= 1).
-    min_scale: the smallest scale (GradScaler has none: 2.0**-126).
+    min_scale: the smallest scale (GradScaler has none: 2.0**-126). Below
+      1, an entry that unscaling takes past its dtype's range is an
+      overflow too.
     hysteresis: overflows it takes to back off (an int >= 1).
     consecutive_hysteresis: refill it at every finite step, not at growth.
     growth_delay: finite steps added before the first growth after an
