@@ -152,6 +152,15 @@ def norm_sequence(seed=0, base=1.0, spikes=None):
   return norms
 
 
+def longest_run(flags) -> int:
+  """The longest run of true values in ``flags``."""
+  best = run = 0
+  for flag in flags:
+    run = run + 1 if flag else 0
+    best = max(best, run)
+  return best
+
+
 def gradient_steps(norms, seed=1):
   """One float32 gradient tree per step, with the given global norms."""
   rng = np.random.default_rng(seed)

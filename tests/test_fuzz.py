@@ -54,7 +54,7 @@ from fuzzing import (
   params_like,
   signature,
 )
-from helpers import np_norm
+from helpers import longest_run, np_norm
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -539,49 +539,6 @@ def test_guarded_composition_keeps_params_finite_and_recovers(name, kinds, seed)
       f"no update in the {TAIL} clean steps after {kinds}")
 
 
-CLIPPERS = {
-    "clip_by_global_norm": lambda: oc.clip_by_global_norm(1.0),
-    "clip_by_norm": lambda: oc.clip_by_norm(1.0),
-    "clip_grad_norm": lambda: oc.clip_grad_norm(1.0),
-    "clip_by_value": lambda: oc.clip_by_value(0.5),
-    "adaptive_grad_clip": lambda: oc.adaptive_grad_clip(1.0),
-    "auto_clip": lambda: oc.auto_clip(50.0, history=4),
-    "zclip": lambda: oc.zclip(warmup_steps=2),
-    "adagc": lambda: oc.adagc(warmup_steps=2),
-}
-
-
-@pytest.mark.parametrize("name", list(CLIPPERS))
-def test_clipper_before_loss_scale_is_rejected_or_correct(name):
-  # The clipper would see the scaled gradients: refused before any update
-  # is applied (at init, reading the scale, or updating), or the updates are
-  # those of the same clipper on the true gradients.
-  scale = 2.0**10
-  tx = optax.chain(CLIPPERS[name](), oc.dynamic_loss_scale(scale, period=1000),
-                   optax.sgd(1.0))
-  reference = optax.chain(CLIPPERS[name](), optax.sgd(1.0))
-  params = {"w": jnp.full((2, 3), 2.0), "b": jnp.full(3, 2.0)}
-  rng = np.random.default_rng(0)
-  true = {k: jnp.asarray(rng.normal(size=v.shape) * 0.1, jnp.float32)
-          for k, v in params.items()}
-  try:
-    state = tx.init(params)
-    scaled = jax.tree.map(lambda g: g * oc.loss_scale(state), true)
-    updates, state = tx.update(scaled, state, params)
-  except (ValueError, TypeError) as error:
-    assert "dynamic_loss_scale" in str(error), str(error)
-    return
-  ref_state = reference.init(params)
-  for _ in range(3):
-    want, ref_state = reference.update(true, ref_state, params)
-    for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(want)):
-      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7,
-                                 err_msg="the clipper saw the scaled gradients")
-    true = jax.tree.map(lambda g: g * 1.5, true)
-    scaled = jax.tree.map(lambda g: g * oc.loss_scale(state), true)
-    updates, state = tx.update(scaled, state, params)
-
-
 # ---------------------------------------------------------------------------
 # Guards never stall (docs/guards.md): random steps of every kind, including
 # lasting level shifts up and down, through the guards (one compile each):
@@ -591,14 +548,6 @@ def test_clipper_before_loss_scale_is_rejected_or_correct(name):
 
 GUARD_KINDS = ["ok", "ok", "nan", "inf", "spike", "tiny", "zero", "up", "down"]
 GUARD_TAIL = 12  # clean steps at the last level
-
-
-def _longest_run(flags) -> int:
-  best = run = 0
-  for flag in flags:
-    run = run + 1 if flag else 0
-    best = max(best, run)
-  return best
 
 
 def _guard_norms(kinds):
@@ -665,4 +614,4 @@ def test_guards_never_stall_on_random_steps(name, kinds, loss_offset):
   held = {"zclip": moved < 1 - 1e-5,
           "adagc": (moved < 0.01) & ~warm}.get(name, moved == 0) & ordinary
   bound = 2 if name == "adagc" else 4
-  assert _longest_run(held) <= bound, (" ".join(kinds), np.flatnonzero(held))
+  assert longest_run(held) <= bound, (" ".join(kinds), np.flatnonzero(held))

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import longest_run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import shard_map
@@ -967,18 +968,11 @@ def adversarial(draw):
   return np.concatenate([head, tail]), len(head)
 
 
-def longest_run(flags):
-  best = run = 0
-  for flag in flags:
-    run = run + 1 if flag else 0
-    best = max(best, run)
-  return best
-
-
 @functools.cache
-def pure_skip_run(guard):
+def pure_skip_run(guard, window=None):
   """The statistics alone (``_skip_stats.step``) over a sequence, with
-  traced settings: one compile per guard."""
+  traced settings: one compile per guard (EMA statistics, or a window of
+  ``window`` values)."""
   from optaxclip import _skip_stats
 
   @jax.jit
@@ -992,7 +986,8 @@ def pure_skip_run(guard):
           warmup_steps=warmup, loss_zscore=6.0 if guard == "loss" else None,
           max_consecutive_skips=bound)
       return stats, (skip, stats)
-    return jax.lax.scan(body, SkipStats.fresh(jnp.float32), values)[1]
+    fresh = SkipStats.fresh(jnp.float32, window=window)
+    return jax.lax.scan(body, fresh, values)[1]
 
   return run
 
@@ -1160,28 +1155,6 @@ def test_two_sided_skips_a_drop_too_and_learns_it(window):
       assert skipped.size == 0, skipped
 
 
-@functools.cache
-def pure_window_run(guard, window):
-  """``pure_skip_run`` with window statistics of ``window`` values."""
-  from optaxclip import _skip_stats
-
-  @jax.jit
-  def run(values, warmup, bound, offset):
-    def body(stats, value):
-      norm, loss = ((value, None) if guard == "norm" else
-                    (jnp.float32(1.0), value + offset))
-      skip, stats = _skip_stats.step(
-          stats, norm, loss=loss, nonfinite=True, max_norm=None,
-          zscore=6.0 if guard == "norm" else None, ema_decay=0.99,
-          warmup_steps=warmup, loss_zscore=6.0 if guard == "loss" else None,
-          max_consecutive_skips=bound)
-      return stats, (skip, stats)
-    fresh = SkipStats.fresh(jnp.float32, window=window)
-    return jax.lax.scan(body, fresh, values)[1]
-
-  return run
-
-
 @pytest.mark.parametrize("guard", list(GUARD))
 @settings(max_examples=40, deadline=None, derandomize=True, database=None)
 @given(case=adversarial(), window=st.sampled_from([4, 8, 32]),
@@ -1193,7 +1166,7 @@ def test_no_finite_sequence_stalls_the_window_guard(guard, case, window,
   mode (windows shorter than the final level)."""
   values, start = case
   offset = -3.0 * float(values[start]) if negative and guard == "loss" else 0.0
-  skip, stats = pure_window_run(guard, window)(
+  skip, stats = pure_skip_run(guard, window)(
       jnp.asarray(values, jnp.float32), warmup, bound, jnp.float32(offset))
   skip = np.asarray(skip)
   running = stats.norm_stats if guard == "norm" else stats.loss_stats

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import longest_run
 
 import optaxclip as oc
 
@@ -304,14 +305,6 @@ def guard_data(seed: int = 0):
   return kinds, values, settled
 
 
-def _longest_run(flags) -> int:
-  best = run = 0
-  for flag in flags:
-    run = run + 1 if flag else 0
-    best = max(best, run)
-  return best
-
-
 @functools.cache
 def guard_soak(name: str):
   """Each step's state of the guard ``name`` over guard_data()."""
@@ -359,7 +352,7 @@ def _exact_skip_counters(stats, kinds):
     would = would | _marks(stats.update_zscore_count)
   np.testing.assert_array_equal(_marks(stats.forced_count), would & ~skipped & ~bad)
   assert skipped[bad].all()
-  assert _longest_run(skipped & ~bad) <= 4
+  assert longest_run(skipped & ~bad) <= 4
   return skipped, bad
 
 
@@ -404,7 +397,7 @@ def test_skip_step_never_stalls_over_thousands_of_steps():
   assert skipped[bad].all() and skipped[kinds == "spike"].all()
   # Ordinary steps are skipped only at the level shifts, at most 4 in a row.
   ordinary = skipped & (kinds == "ok")
-  assert _longest_run(skipped & ~bad) <= 4
+  assert longest_run(skipped & ~bad) <= 4
   assert not ordinary[settled].any(), np.flatnonzero(ordinary & settled)
   assert int(stats.forced_count[-1]) == int(np.sum(_marks(stats.forced_count)))
   assert int(stats.forced_count[-1]) >= 2  # the two rises were let through
@@ -420,7 +413,7 @@ def test_zclip_never_stalls_over_thousands_of_steps():
   np.testing.assert_array_equal(_marks(states.nonfinite_count), bad)
   cut = np.asarray(states.scale) < 1
   assert cut[kinds == "spike"].all()
-  assert _longest_run(cut & ~bad) <= 4
+  assert longest_run(cut & ~bad) <= 4
   assert np.mean(cut[settled & (kinds == "ok")]) < 0.02  # z > 2.5: rare
 
 
@@ -432,4 +425,4 @@ def test_adagc_never_stalls_over_thousands_of_steps():
   np.testing.assert_array_equal(_marks(states.nonfinite_count), bad)
   assert np.all(factors[kinds == "spike"] < 0.01)
   after = np.arange(GUARD_STEPS) >= 100
-  assert _longest_run(after & ~bad & (factors < 0.01) & (kinds == "ok")) <= 2
+  assert longest_run(after & ~bad & (factors < 0.01) & (kinds == "ok")) <= 2
