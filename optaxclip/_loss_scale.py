@@ -54,12 +54,12 @@ checkpoint keeps every field, and a restored run goes on with the same
 schedule (``jmp`` loses ``min_loss_scale`` on a ``jit`` round-trip).
 """
 
+import math
 from typing import Any, NamedTuple, TypeGuard
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from optaxclip import _core, _counters, _placement, _scaling, _stats, _tree, _validation
 from optaxclip._loss_scale_schedule import (
@@ -160,7 +160,7 @@ def unscale(updates: PyTree, state: LossScaleState, where: _core.Where,
   A scale below 1 (``may_shrink``: ``min_scale < 1``) can push an unscaled
   entry past its own dtype's range while the float32 norm stays finite
   (a float16 entry of 6e4 divided by 2**-20): those leaves are judged by
-  their largest entry as well (a reduction XLA fuses with the norm's).
+  their largest entry as well (one more read of those leaves).
   """
   measured = _core.measure("dynamic_loss_scale", updates, 2, where)
   norm = measured.total / state.scale.astype(measured.total.dtype)
@@ -181,19 +181,19 @@ def unscale(updates: PyTree, state: LossScaleState, where: _core.Where,
 def _unscaled_in_range(updates: PyTree, inverse: jax.Array,
                        norm_dtype: Any, where: _core.Where) -> jax.Array:
   """Whether every leaf narrower than the norm stays finite once unscaled:
-  its largest magnitude times ``1/scale``, rounded to its dtype (exact, as
-  the multiply and the rounding are monotone), on every device."""
+  its largest magnitude (its inf-norm, over every device) times
+  ``1/scale``, rounded to its dtype (exact: the multiply and the rounding
+  are monotone)."""
   wide = jnp.finfo(norm_dtype).max
-  in_range = jnp.asarray(True)
-  for leaf in _tree.clippable_leaves(updates):
-    if leaf.size == 0 or jnp.finfo(leaf.dtype).max >= wide:
-      continue
-    real = jnp.finfo(leaf.dtype).dtype  # complex: its parts' dtype
-    largest = jnp.max(jnp.abs(leaf)).astype(jnp.float32)
-    in_range &= jnp.isfinite((largest * inverse).astype(real))
-  if where.axis_names:  # one collective, for the step every device takes
-    in_range = lax.pmin(in_range.astype(jnp.int32), where.axis_names) > 0
-  return in_range
+  narrow = [x for x in _tree.clippable_leaves(updates)
+            if jnp.finfo(x.dtype).max < wide]
+  if not narrow:
+    return jnp.asarray(True)
+  largest = _core.measure("dynamic_loss_scale", narrow, math.inf, where,
+                          _core.PER_LEAF).units
+  return jnp.all(jnp.stack([
+      jnp.isfinite((m * inverse).astype(jnp.finfo(x.dtype).dtype))  # complex: its parts'
+      for m, x in zip(largest, narrow)]))
 
 
 def _accumulator(fn: str, params: PyTree) -> PyTree:
