@@ -7,6 +7,7 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class Config:
   mode: str
+  fresh_processes: bool  # each job in a fresh process (`_timing.in_fresh_process`)
   platform: str  # "cpu" or "gpu": the JAX backend (and PyTorch's device)
   repeats: int  # rounds of interleaved run-time samples
   train_step_repeats: int  # the same for the train step, a small difference of large times
@@ -32,7 +33,7 @@ class Config:
 
 
 FULL = Config(
-    mode="full", platform="cpu", repeats=15, train_step_repeats=31,
+    mode="full", fresh_processes=True, platform="cpu", repeats=15, train_step_repeats=31,
     standalone_repeats=41, compile_repeats=11, step_compile_repeats=3,
     compile_reference_repeats=3, step_compile_reference_repeats=1,
     compile_leaves=(250, 500, 1000, 2000, 4000), minimal_norm_leaves=500,
@@ -57,11 +58,12 @@ QUICK = dataclasses.replace(
 # Every target's code path (the traffic of large and small leaves apart
 # too: the tiny transformer's token embedding, 1100 x 32, is one large leaf)
 # and the report, on trees a loaded 2-core machine compiles in seconds:
-# what tests/test_benchmarks.py runs. Its numbers mean nothing.
+# what tests/test_benchmarks.py runs. Its numbers mean nothing, so its jobs
+# share one process (a build without the rescue still gets its own).
 SMOKE = dataclasses.replace(
-    FULL, mode="smoke", repeats=1, train_step_repeats=1, standalone_repeats=1,
-    compile_repeats=1, step_compile_repeats=1, compile_reference_repeats=1,
-    step_compile_reference_repeats=1, compile_leaves=(8, 16), minimal_norm_leaves=16,
+    FULL, mode="smoke", fresh_processes=False, repeats=1, train_step_repeats=1,
+    standalone_repeats=1, compile_repeats=1, step_compile_repeats=1,
+    compile_reference_repeats=1, step_compile_reference_repeats=1, compile_leaves=(8, 16), minimal_norm_leaves=16,
     discard_first_compiles=False, guard_compile_repeats=1,
     transformer=dict(vocab=1100, d_model=32, layers=2, seq_len=32),
     scanned=dict(vocab=256, d_model=32, seq_len=32), scanned_layers=(2,),

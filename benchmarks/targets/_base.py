@@ -35,7 +35,10 @@ def describe_tree(tree: Any) -> str:
 
 
 def select_platform(name: str) -> None:
-  """Runs JAX on `name`'s backend, or exits saying why it cannot."""
+  """Runs JAX on `name`'s backend, or exits saying why it cannot; without
+  the persistent compilation cache (`JAX_COMPILATION_CACHE_DIR`), so that
+  every compile timed is a compile, not a read of an earlier one."""
+  jax.config.update("jax_enable_compilation_cache", False)
   if name == "cpu":
     jax.config.update("jax_platforms", "cpu")
     return
@@ -45,6 +48,12 @@ def select_platform(name: str) -> None:
     sys.exit(f"--platform gpu: JAX has no GPU backend on this machine ({error}). "
              "Install a CUDA/ROCm build of jaxlib, or run with --platform cpu.")
   jax.config.update("jax_default_device", gpus[0])
+
+
+def needs_own_process(job: dict[str, Any]) -> bool:
+  """Whether `job` must run in a fresh process whatever the run: a build
+  without the rescue branch (`rescue=False`) patches the library."""
+  return job.get("rescue") is False
 
 
 def run_job(key: str, config: Config, job: dict[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from benchmarks._timing import (
   median_ratio,
   median_ratio_interval,
   rotated,
+  timed_compile,
 )
 from benchmarks.targets._base import Target, describe_tree, select_platform
 from benchmarks.targets.compile_time import ALONE_RATIO_LIMIT, STEP_EXTRA_LIMIT
@@ -94,10 +95,11 @@ def _transforms(tree: PyTree) -> dict[str, Callable[[], optax.GradientTransforma
   return {**built, **REFERENCES, "optax.scale": _candidates.CLIPS["optax.scale"]}
 
 
-def _compile_samples(grads: PyTree, rounds: int, names: list[str],
-                     discard_first: bool = True) -> dict[str, list[float]]:
-  """Fresh compiles of the clips and references `names`, alone and in AdamW's
-  step, in rotated rounds."""
+def _builds(grads: PyTree, names: list[str], *, with_scale: bool = True
+            ) -> dict[str, Callable[[], tuple[Callable[..., Any], tuple[Any, ...]]]]:
+  """Each program measured, by name: the clips and references `names` alone
+  (and `optax.scale`), the same in AdamW's step (`"<name> + adamw"`), and
+  AdamW's step alone (`"adamw"`); fresh transforms at every build."""
   transforms = _transforms(grads)
 
   def alone(name):
@@ -112,24 +114,32 @@ def _compile_samples(grads: PyTree, rounds: int, names: list[str],
       return fn, (grads, jax.eval_shape(tx.init, grads), grads)
     return build
 
-  builds = {**{name: alone(name) for name in (*names, "optax.scale")},
-            **{f"{name} + adamw": step(name) for name in names}, "adamw": step(None)}
+  return {**{name: alone(name) for name in (*names, *(("optax.scale",) if with_scale else ()))},
+          **{f"{name} + adamw": step(name) for name in names}, "adamw": step(None)}
+
+
+def _compile_samples(builds: dict[str, Any], rounds: int, discard_first: bool = True
+                     ) -> tuple[dict[str, list[float]], dict[str, Any]]:
+  """Fresh compiles of `builds`, in rotated rounds: their seconds, and each
+  compiled program (for its traffic)."""
   # The first compiles also set up XLA: discarded (not in a smoke run).
   for build in builds.values() if discard_first else ():
     compile_seconds(build)
-  samples = {name: [] for name in builds}
+  samples: dict[str, list[float]] = {name: [] for name in builds}
+  programs: dict[str, Any] = {}
   for round_ in range(rounds):
     for name in rotated(list(builds), round_):
-      samples[name].append(compile_seconds(builds[name]))
-  return samples
+      seconds, programs[name] = timed_compile(builds[name])
+      samples[name].append(seconds)
+  return samples, programs
 
 
-def _traffic(grads: PyTree, names: list[str]) -> dict[str, Any]:
-  """Passes over the tree, alone and added to AdamW's step (`_cost`)."""
-  transforms = _transforms(grads)
-  adamw = _cost.step(None, grads)
-  return {name: {"alone": _cost.alone(transforms[name](), grads),
-                 "step extra": _cost.step(transforms[name](), grads) - adamw}
+def _traffic(programs: dict[str, Any], grads: PyTree, names: list[str]) -> dict[str, Any]:
+  """Passes over the tree (`_cost`) of the compiled `programs` of `_builds`:
+  each of `names` alone and added to AdamW's step."""
+  def passes(key):
+    return _cost.compiled_bytes(programs[key]) / _trees.tree_bytes(grads)
+  return {name: {"alone": passes(name), "step extra": passes(f"{name} + adamw") - passes("adamw")}
           for name in names}
 
 
@@ -142,7 +152,10 @@ def _traffic_without_rescue(config: Config, layers: int) -> dict[str, Any] | Non
     _cost.without_rescue_branch()
   except _cost.NoBuildWithoutRescue:
     return None
-  return _traffic(structs, chosen(config)[0])
+  clips = chosen(config)[0]
+  builds = _builds(structs, clips, with_scale=False)
+  return _traffic({name: timed_compile(build)[1] for name, build in builds.items()},
+                  structs, clips)
 
 
 def measure(config: Config, *, layers: int) -> dict[str, Any]:
@@ -150,9 +163,9 @@ def measure(config: Config, *, layers: int) -> dict[str, Any]:
   structs = _trees.structs(shapes)
   clips, references = chosen(config)
   names = [*clips, *references]
-  compiled = _compile_samples(structs, config.compile_repeats, names,
-                              config.discard_first_compiles)
-  traffic = _traffic(structs, names)
+  compiled, programs = _compile_samples(_builds(structs, names), config.compile_repeats,
+                                        config.discard_first_compiles)
+  traffic = _traffic(programs, structs, names)
   traffic["without rescue"] = in_fresh_process(_traffic_without_rescue, config, layers)
   grads = _trees.normal_tree(shapes, seed=0)
   transforms = _transforms(grads)
