@@ -147,19 +147,15 @@ def adagc(*, lambda_abs: Scalar = 1.0, lambda_rel: Scalar = 1.05, beta: Scalar =
           ) -> optax.GradientTransformation:
   """Clips each tensor against an EMA of its own clipped norm (AdaGC).
 
-  Step ``t`` (from 0) with gradient ``g`` and tensors ``g_i``: in the
-  warm-up (the first ``warmup_steps`` finite steps) every tensor gets the
-  global factor ``h = min(1, lambda_abs / ||g||)`` and ``gamma_i =
-  min(gamma_i, ||h g_i||)`` from ``+inf``; afterwards ``h_i = min(1,
-  lambda_rel * gamma_i / ||g_i||)`` and ``gamma_i = beta * gamma_i + (1 -
-  beta) * ||h_i g_i||``. With ``eps > 0`` every factor is ``min(1,
-  threshold / (norm + eps))``. A NaN/Inf step propagates into the update
-  and leaves ``gamma`` alone. The paper's numbers, except where one step
-  would set the thresholds for thousands of steps: outliers are kept out
-  of the warm-up's minimum, and a tensor clipped more than 100-fold (or
-  100 times below ``gamma``) three steps in a row, as after a lasting
-  shift or a warm-up of zeros, restarts its ``gamma`` from its norm.
-  Rules, bounds, defaults and injected hyperparameters: docs/guards.md.
+  Gradient ``g``, tensors ``g_i``: in the first ``warmup_steps`` finite
+  steps every tensor gets ``h = min(1, lambda_abs / ||g||)`` and ``gamma_i``
+  the least ``||h g_i||``; afterwards ``h_i = min(1, lambda_rel * gamma_i /
+  ||g_i||)`` and ``gamma_i = beta * gamma_i + (1 - beta) * ||h_i g_i||``
+  (``eps > 0``: ``min(1, threshold / (norm + eps))``). NaN/Inf propagates
+  and leaves ``gamma`` alone. The paper's numbers, except that no single
+  step (an outlier, a lasting shift, a warm-up of zeros) sets the
+  thresholds for thousands of steps. Rules, bounds, defaults and injected
+  hyperparameters: docs/guards.md.
 
   Args:
     lambda_abs: the global threshold during warm-up (>= 0, or inf).

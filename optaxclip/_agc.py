@@ -228,15 +228,13 @@ def adaptive_grad_clip(clipping: Scalar, *, eps: Scalar = 1e-3, axis: Axis = Non
                        ) -> optax.GradientTransformation:
   """Clips each unit's update to ``clipping`` times its parameter norm (AGC).
 
-  ``optax.adaptive_grad_clip``'s numbers and units (there ``eps`` and
-  ``axis`` may be positional), with a state that counts the clipped units for
-  logging (read it with ``optaxclip.stats``), float32 norms for
-  half-precision leaves, finite norms for huge gradients, and ``shard_map``
-  support. ``update`` needs ``params`` of the updates' structure and leaf
-  shapes (a ValueError names the leaves that differ); a NaN or Inf gradient
-  propagates, as in Optax, and is counted in ``nonfinite_count``.
-  ``state=None`` is taken as a fresh state. Injected hyperparameters:
-  docs/hyperparameters.md.
+  ``optax.adaptive_grad_clip``'s numbers and units (``eps`` and ``axis``
+  keyword-only here), with float32 norms for half-precision leaves, finite
+  norms for huge gradients, ``shard_map`` support, and a state counting the
+  clipped units (``optaxclip.stats``; ``state=None`` is a fresh one).
+  ``update`` needs ``params`` shaped as the updates (a ValueError names the
+  leaves that differ); a NaN or Inf gradient propagates, as in Optax, and
+  is counted. Injected hyperparameters: docs/hyperparameters.md.
 
   Args:
     clipping: the largest ratio of gradient norm to parameter norm (>= 0);

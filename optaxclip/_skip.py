@@ -196,14 +196,11 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
 
   Wraps ``inner``. A step is skipped (zero updates, the inner state left
   bit for bit) when the gradients hold NaN/Inf, their global norm exceeds
-  ``max_norm``, or a guarded value is NaN/Inf or above ``mean + threshold *
-  std`` of its own past: the norm (``zscore``), the loss given to
-  ``update(..., loss=loss)`` (``loss_zscore``), the norm of the update
-  ``inner`` proposes (``update_zscore``). The statistics are bias-corrected
-  EMAs that one outlier cannot take over, or the last ``window`` values
-  (OLMo-core's and MaxText's rule; ``window`` floats of state per
-  statistic). At most ``max_consecutive_skips`` finite steps are skipped in
-  a row. Rules, bounds, the anchors' settings, costs: docs/guards.md.
+  ``max_norm``, or a guarded value (the norm, the ``loss`` given to
+  ``update``, the update's norm) is NaN/Inf or above ``mean + threshold *
+  std`` of its past: bias-corrected EMAs, or the last ``window`` values
+  (OLMo-core's and MaxText's rule). Rules, bounds, the anchors' settings,
+  costs: docs/guards.md.
 
   Args:
     inner: the optimizer whose steps may be skipped.

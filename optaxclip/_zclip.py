@@ -260,21 +260,15 @@ def zclip(*, alpha: Scalar = 0.97, z_thresh: Scalar = 2.5,
           ) -> optax.GradientTransformation:
   """Clips gradient-norm spikes detected by a z-score against an EMA (ZClip).
 
-  The first ``warmup_steps`` global L2 norms ``g`` are collected (clipped at
-  ``max_grad_norm`` only, as ``clip_grad_norm_``); their mean and variance
-  start the EMA. Then, with ``z = (g - mean) / (std + eps)``: in
-  ``"zscore"`` mode ``g`` is a spike when ``z > z_thresh``, cut to
-  ``(mean + z_thresh**2 * std / z) * clip_factor``
-  (``clip_option="adaptive_scaling"``) or to ``mean``; in ``"percentile"``
-  mode when ``g > mean + z_thresh * std``, cut to that. Updates are
-  multiplied by ``threshold / (g + 1e-6)`` when ``g > threshold`` (capped at
-  ``max_grad_norm``), and the EMA (mean first) is fed the threshold, or
-  nothing with ``skip_update_on_spike``. The reference's numbers, except
-  where its statistics break: NaN/Inf norms, one huge outlier, a warm-up of
-  zeros, and a lasting rise, which it clips for ever; here at most
-  ``max_consecutive_spikes`` norms are cut in a row, the next let through
-  and fed in full. Details, bounds and injected hyperparameters:
-  docs/guards.md.
+  The first ``warmup_steps`` global L2 norms ``g`` start the EMA (clipped at
+  ``max_grad_norm`` only). Then, with ``z = (g - mean) / (std + eps)``, a
+  spike ``z > z_thresh`` is cut to ``(mean + z_thresh**2 * std / z) *
+  clip_factor`` (``"adaptive_scaling"``) or to ``mean``; in ``"percentile"``
+  mode a norm above ``mean + z_thresh * std`` is cut to that. Updates are
+  multiplied by ``threshold / (g + 1e-6)``; the EMA is fed the threshold.
+  The reference's numbers, except where its statistics break (NaN/Inf, one
+  huge outlier, a lasting rise: at most ``max_consecutive_spikes`` cuts in
+  a row). Rules, bounds, injected hyperparameters: docs/guards.md.
 
   Args:
     alpha: EMA smoothing factor in [0, 1] (weight of the past).
