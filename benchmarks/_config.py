@@ -57,7 +57,8 @@ QUICK = dataclasses.replace(
     half_shapes=((1024, 1024),) * 2)
 # Every target's code path (the traffic of large and small leaves apart
 # too: the tiny transformer's token embedding, 1100 x 32, is one large leaf)
-# and the report, on trees a loaded 2-core machine compiles in seconds:
+# and the report, on trees a loaded 2-core machine compiles in seconds (a
+# one-layer transformer):
 # what tests/test_benchmarks.py runs. Its numbers mean nothing, so its jobs
 # share one process (a build without the rescue still gets its own).
 SMOKE = dataclasses.replace(
@@ -65,7 +66,7 @@ SMOKE = dataclasses.replace(
     standalone_repeats=1, compile_repeats=1, step_compile_repeats=1,
     compile_reference_repeats=1, step_compile_reference_repeats=1, compile_leaves=(8, 16), minimal_norm_leaves=16,
     discard_first_compiles=False, guard_compile_repeats=1,
-    transformer=dict(vocab=1100, d_model=32, layers=2, seq_len=32),
+    transformer=dict(vocab=1100, d_model=32, layers=1, seq_len=32),
     scanned=dict(vocab=256, d_model=32, seq_len=32), scanned_layers=(2,),
     # each kind of row: a global clip, its leaf_norms twin, a per-layer clip
     # against optax clip, and AGC (its own reference, no traffic floor)
