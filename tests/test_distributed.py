@@ -869,10 +869,11 @@ def layer_clippers():
 @functools.cache
 def sharded_jit_case():
   """(host tree, transforms, their results on the unsharded tree): the
-  eager reference, run once for both axis types."""
+  reference, compiled for one device, run once for both axis types."""
   host = layered_host(seed=13)
   txs = {**layered_transforms(), **layer_clippers()}
-  return host, txs, layered_step(txs, jax.tree.map(jnp.asarray, host))
+  return host, txs, jax.jit(functools.partial(layered_step, txs))(
+      jax.tree.map(jnp.asarray, host))
 
 
 @pytest.mark.parametrize("axis_type", list(AXIS_TYPES))
@@ -893,13 +894,14 @@ def test_sharded_jit_equals_the_unsharded(axis_type):
 @functools.cache
 def vmap_case():
   """(host batch of trees, the batched step, its results on the unsharded
-  batch): the eager reference, run once for both axis types."""
+  batch): the reference, compiled for one device, run once for both axis
+  types."""
   hosts = [layered_host(seed=s) for s in (16, 17, 18)]
   host = {k: np.stack([h[k] for h in hosts]) for k in hosts[0]}
   txs = {"global": oc.clip_by_global_norm(1.0), **layered_transforms(), **layer_clippers()}
   step = lambda t: {name: tx.update(t, tx.init(t), t)[0]  # noqa: E731
                     for name, tx in txs.items()}
-  return host, step, jax.vmap(step)(jax.tree.map(jnp.asarray, host))
+  return host, step, jax.jit(jax.vmap(step))(jax.tree.map(jnp.asarray, host))
 
 
 @pytest.mark.parametrize("axis_type", list(AXIS_TYPES))
