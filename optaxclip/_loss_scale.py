@@ -320,14 +320,17 @@ def dynamic_loss_scale(
 ) -> optax.GradientTransformationExtraArgs:
   """Unscales loss-scaled gradients and adapts the loss scale (float16).
 
-  Multiply the loss by ``scale = loss_scale(opt_state)`` in float32
-  (``loss_fn(p).astype(jnp.float32) * scale``) before ``jax.grad``; this
-  divides the gradients by it. An overflow (NaN or Inf; the
-  ``hysteresis``-th) divides the scale by ``factor``, not below
-  ``min_scale``; ``period`` finite steps in a row multiply it. Wrapping
-  ``inner`` (clippers go inside), an overflow skips its step. PyTorch's,
-  DeepSpeed's and Megatron-LM's settings: docs/migration/pytorch.md;
-  traced values: docs/hyperparameters.md.
+  Multiply the loss by the scale, in float32, before ``jax.grad``; this
+  divides the gradients by it::
+
+    scale = loss_scale(opt_state)
+    grads = jax.grad(lambda p: loss_fn(p).astype(jnp.float32) * scale)(params)
+
+  An overflow (NaN or Inf; the ``hysteresis``-th) divides the scale by
+  ``factor``, not below ``min_scale``; ``period`` finite steps in a row
+  multiply it. Wrapping ``inner`` (clippers go inside), an overflow skips
+  its step. PyTorch's, DeepSpeed's and Megatron-LM's settings:
+  docs/migration/pytorch.md; traced values: docs/hyperparameters.md.
 
   Args:
     initial_scale: the first scale, in [2**-126, 2**126]; or ``inner``.
