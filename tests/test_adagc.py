@@ -125,7 +125,7 @@ def test_finite_at_zero(kwargs):
   out, _ = jax.jit(tx.update)(tree_like(), state)
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(out))
   loss = lambda g: sum(jnp.sum(x) for x in jax.tree.leaves(tx.update(g, state)[0]))
-  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(jax.grad(loss)(zeros)))
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(jax.jit(jax.grad(loss))(zeros)))
 
 
 def test_nonfinite_norm_leaves_gamma_unchanged():
