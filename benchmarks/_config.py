@@ -58,14 +58,14 @@ QUICK = dataclasses.replace(
 # Every target's code path (the traffic of large and small leaves apart
 # too: the tiny transformer's token embedding, 1100 x 32, is one large leaf)
 # and the report, on trees a loaded 2-core machine compiles in seconds (a
-# one-layer transformer):
-# what tests/test_benchmarks.py runs. Its numbers mean nothing, so its jobs
-# share one process (a build without the rescue still gets its own).
+# one-layer transformer): what tests/test_benchmarks.py runs. Its numbers
+# mean nothing, so its jobs share one process (a build without the rescue
+# still gets its own).
 SMOKE = dataclasses.replace(
     FULL, mode="smoke", fresh_processes=False, repeats=1, train_step_repeats=1,
     standalone_repeats=1, compile_repeats=1, step_compile_repeats=1,
-    compile_reference_repeats=1, step_compile_reference_repeats=1, compile_leaves=(8, 16), minimal_norm_leaves=16,
-    discard_first_compiles=False, guard_compile_repeats=1,
+    compile_reference_repeats=1, step_compile_reference_repeats=1, compile_leaves=(8, 16),
+    minimal_norm_leaves=16, discard_first_compiles=False, guard_compile_repeats=1,
     transformer=dict(vocab=1100, d_model=32, layers=1, seq_len=32),
     scanned=dict(vocab=256, d_model=32, seq_len=32), scanned_layers=(2,),
     # each kind of row: a global clip, its leaf_norms twin, a per-layer clip

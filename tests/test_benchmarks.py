@@ -23,6 +23,7 @@ if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
 
 from benchmarks import _candidates  # noqa: E402
+from benchmarks.targets._base import select_platform  # noqa: E402
 
 RUN = ROOT / "benchmarks" / "run.py"
 TARGETS = ("compile_step", "compile", "traffic", "guards", "scanned", "train_step", "standalone",
@@ -99,6 +100,17 @@ def test_every_target_has_a_definition():
   definitions = (RUN.parent / "README.md").read_text()
   for key in TARGETS:
     assert f'<a id="{key}"></a>' in definitions, key
+
+
+def test_benchmark_processes_compile_without_the_persistent_cache():
+  # This suite sets JAX_COMPILATION_CACHE_DIR, as users may: a timed compile
+  # read back from it would time the disk, not the compiler.
+  assert jax.config.jax_enable_compilation_cache
+  try:
+    select_platform("cpu")  # what every benchmark process starts with
+    assert not jax.config.jax_enable_compilation_cache
+  finally:
+    jax.config.update("jax_enable_compilation_cache", True)
 
 
 def test_minimal_norm_clips_as_the_global_norm_clip():
