@@ -336,17 +336,14 @@ def dynamic_loss_scale(
     initial_scale: the first scale, in [2**-126, 2**126]; or ``inner``.
     period: finite optimizer steps in a row before the scale grows.
     factor: what the scale is multiplied or divided by (a number >= 1).
-    min_scale: the smallest scale (GradScaler has none: 2.0**-126). Below
-      1, an entry that unscaling takes past its dtype's range is an
-      overflow too.
+    min_scale: the smallest scale (GradScaler has none: 2.0**-126); below 1,
+      an entry unscaled past its dtype's range is an overflow too.
     hysteresis: overflows it takes to back off (an int >= 1).
     consecutive_hysteresis: refill it at every finite step, not at growth.
     growth_delay: finite steps added before the first growth after an
       overflow or at the start (an int >= 0; DeepSpeed: 1).
-    every_k_steps: micro-batches per optimizer step (their unscaled sum;
-      needs ``inner``), or None: one.
-    raise_error_at_min_scale: raise ``NonFiniteGradientError`` on an
-      overflow at ``min_scale`` (else it is counted).
+    every_k_steps: micro-batches per step, summed unscaled (needs ``inner``); None: one.
+    raise_error_at_min_scale: raise ``NonFiniteGradientError`` on an overflow at ``min_scale``.
     axis_name: ``shard_map``/``pmap`` axes: every device agrees on overflows.
     inner: the optimizer whose steps an overflow drops, or None.
 

@@ -208,22 +208,18 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
     max_norm: skip steps whose global norm exceeds it (>= 0), or None.
     zscore: the norm's z-score threshold (>= 0), or None.
     ema_decay: the EMAs' weight of the past, in [0, 1).
-    warmup_steps: values in the statistics before the z-tests start; None:
-      100 (EMAs) or ``max(2, window // 2) - 1``.
+    warmup_steps: values before the z-tests; None: 100, or ``max(2, window // 2) - 1``.
     ord: the norm order: any number ``p > 0`` or ``inf``.
-    axis_name: under ``shard_map``/``pmap``, the axis name(s) the gradients
-      are split over: every device takes the same decision.
+    axis_name: ``shard_map``/``pmap`` axes; every device takes the same decision.
     specs: with ``axis_name``, the updates' ``PartitionSpec`` (a tree prefix).
     loss_zscore: the loss's threshold (> 0), or None (the loss only logged).
     leaf_norms: keep every leaf's norm in the statistics.
     layer_axis: with ``leaf_norms``, the axis that stacks layers.
-    max_consecutive_skips: finite steps skipped in a row at most (>= 1), or
-      None (no bound: a lasting rise is skipped for ever).
+    max_consecutive_skips: finite steps skipped in a row at most (>= 1); None: no bound.
     window: keep the last ``window`` values (an int >= 1), or None (EMAs).
     two_sided: test ``|value - mean|``: drops are spikes too.
     update_zscore: the update norm's threshold (>= 0), or None.
-    update_norm: measure the update's norm every step, for the statistics;
-      None: only with ``update_zscore`` (it costs passes on XLA:CPU).
+    update_norm: measure the update's norm every step; None: with ``update_zscore``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
