@@ -95,7 +95,7 @@ def _transforms(tree: PyTree) -> dict[str, Callable[[], optax.GradientTransforma
   return {**built, **REFERENCES, "optax.scale": _candidates.CLIPS["optax.scale"]}
 
 
-def _builds(grads: PyTree, names: list[str], *, with_scale: bool = True
+def _builds(grads: PyTree, names: list[str]
             ) -> dict[str, Callable[[], tuple[Callable[..., Any], tuple[Any, ...]]]]:
   """Each program measured, by name: the clips and references `names` alone
   (and `optax.scale`), the same in AdamW's step (`"<name> + adamw"`), and
@@ -114,7 +114,7 @@ def _builds(grads: PyTree, names: list[str], *, with_scale: bool = True
       return fn, (grads, jax.eval_shape(tx.init, grads), grads)
     return build
 
-  return {**{name: alone(name) for name in (*names, *(("optax.scale",) if with_scale else ()))},
+  return {**{name: alone(name) for name in (*names, "optax.scale")},
           **{f"{name} + adamw": step(name) for name in names}, "adamw": step(None)}
 
 
@@ -153,9 +153,8 @@ def _traffic_without_rescue(config: Config, layers: int) -> dict[str, Any] | Non
   except _cost.NoBuildWithoutRescue:
     return None
   clips = chosen(config)[0]
-  builds = _builds(structs, clips, with_scale=False)
-  return _traffic({name: timed_compile(build)[1] for name, build in builds.items()},
-                  structs, clips)
+  programs = {name: timed_compile(build)[1] for name, build in _builds(structs, clips).items()}
+  return _traffic(programs, structs, clips)
 
 
 def measure(config: Config, *, layers: int) -> dict[str, Any]:
