@@ -4,20 +4,22 @@ No state, no optax: usable under ``jit``, ``vmap`` (per-example clipping),
 ``shard_map`` and ``pmap``, and outside any optimizer.
 """
 
-from optaxclip._agc import adaptive_grad_clip_fn as adaptive_grad_clip
-from optaxclip._agc import unitwise_clip as unitwise_clip
-from optaxclip._agc import unitwise_norm as unitwise_norm
-from optaxclip._block_rms import clip_by_block_rms_fn as clip_by_block_rms
-from optaxclip._core import all_finite as all_finite
-from optaxclip._core import global_norm as global_norm
-from optaxclip._norm_clipping import clip_by_global_norm_fn as clip_by_global_norm
-from optaxclip._norm_clipping import clip_by_norm_fn as clip_by_norm
-from optaxclip._per_example import PerExampleClip as PerExampleClip
-from optaxclip._per_example import (
+from optaxclip._clip.agc import adaptive_grad_clip_fn as adaptive_grad_clip
+from optaxclip._clip.agc import unitwise_clip as unitwise_clip
+from optaxclip._clip.agc import unitwise_norm as unitwise_norm
+from optaxclip._clip.block_rms import clip_by_block_rms_fn as clip_by_block_rms
+from optaxclip._clip.norm import clip_by_global_norm_fn as clip_by_global_norm
+from optaxclip._clip.norm import clip_by_norm_fn as clip_by_norm
+from optaxclip._clip.per_example import PerExampleClip as PerExampleClip
+from optaxclip._clip.per_example import (
     per_example_clip_by_global_norm as per_example_clip_by_global_norm,
 )
-from optaxclip._per_example import per_example_clip_by_layer_norm as per_example_clip_by_layer_norm
-from optaxclip._value import clip_by_value_fn as clip_by_value
+from optaxclip._clip.per_example import (
+    per_example_clip_by_layer_norm as per_example_clip_by_layer_norm,
+)
+from optaxclip._clip.value import clip_by_value_fn as clip_by_value
+from optaxclip._core import all_finite as all_finite
+from optaxclip._core import global_norm as global_norm
 
 __all__ = [
     "PerExampleClip",

@@ -29,7 +29,7 @@ from test_contract import tree_like, warm
 from test_skip import CHECKED, adversarial, longest_run
 
 import optaxclip as oc
-from optaxclip._adagc import adagc
+from optaxclip._adaptive.adagc import adagc
 
 SHAPES = {"b": (4,), "e": (6,), "w": (8, 4)}  # leaf order: b, e, w
 BASES = {"b": 0.1, "e": 3.0, "w": 1.0}  # typical norm of each tensor
@@ -409,7 +409,7 @@ def test_a_lasting_rise_of_one_tensor_is_not_clipped_100_fold_for_ever():
 @functools.cache
 def pure_adagc_run():
   """``_adagc.step`` alone over two tensors' norms (traced settings)."""
-  from optaxclip import _adagc
+  from optaxclip._adaptive import adagc as _adagc
 
   @jax.jit
   def run(norms, warmup):

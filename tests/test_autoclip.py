@@ -33,7 +33,7 @@ from outliers import (
 )
 
 import optaxclip as oc
-from optaxclip._autoclip import percentile_of_prefix
+from optaxclip._adaptive.autoclip import percentile_of_prefix
 
 auto_clip = oc.auto_clip
 

@@ -12,24 +12,52 @@ import optaxclip as oc
 
 PACKAGE = pathlib.Path(oc.__file__).parent
 # Modules that define a transform (a public builder); the rest are neutral.
-TRANSFORMS = {"_adagc", "_agc", "_autoclip", "_block_rms", "_loss_scale", "_microbatch",
-              "_norm_clipping", "_per_example", "_skip", "_value", "_zclip"}
+TRANSFORMS = {"_adaptive.adagc", "_adaptive.autoclip", "_adaptive.zclip", "_clip.agc",
+              "_clip.block_rms", "_clip.norm", "_clip.per_example", "_clip.value",
+              "_guards.loss_scale", "_guards.microbatch", "_guards.skip"}
+# The family folders, bottom to top: a module imports only from its own
+# layer or the ones below (helpers are the loose modules beside them).
+LAYERS = ["_core", "_stats", "_clip", "_adaptive", "_guards"]
+
+
+def _module_name(path: pathlib.Path) -> str:
+  return ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
 
 
 def _imported_modules(path: pathlib.Path) -> set[str]:
+  """The optaxclip modules ``path`` imports, dotted below the package."""
   found = set()
   for node in ast.walk(ast.parse(path.read_text())):
-    if isinstance(node, ast.ImportFrom) and node.module == "optaxclip":
-      found |= {alias.name for alias in node.names}
-    elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("optaxclip."):
-      found.add(node.module.split(".")[1])
+    if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith("optaxclip"):
+      continue
+    base = node.module.removeprefix("optaxclip").lstrip(".")
+    for alias in node.names:
+      name = f"{base}.{alias.name}" if base else alias.name
+      found.add(name if (PACKAGE / name.replace(".", "/")).with_suffix(".py").exists()
+                or (PACKAGE / name.replace(".", "/")).is_dir() else base)
   return found
 
 
 @pytest.mark.parametrize("module", sorted(TRANSFORMS))
 def test_no_transform_imports_another_transforms_module(module):
-  others = _imported_modules(PACKAGE / f"{module}.py") & TRANSFORMS - {module}
+  path = PACKAGE / (module.replace(".", "/") + ".py")
+  others = _imported_modules(path) & TRANSFORMS - {module}
   assert not others, f"{module} imports {others}: share code through a neutral module"
+
+
+def test_families_import_only_downwards():
+  """No import runs back up the layers, so the folders show the architecture."""
+  upward = []
+  for path in PACKAGE.rglob("*.py"):
+    here = _module_name(path).split(".")[0]
+    if here not in LAYERS:
+      continue
+    for name in _imported_modules(path):
+      there = name.split(".")[0]
+      if there in LAYERS and LAYERS.index(there) > LAYERS.index(here):
+        upward.append(f"{_module_name(path)} imports {name}")
+  assert not upward, upward
+  assert len(list(PACKAGE.glob("_*.py"))) <= 4, "transform modules belong in a family folder"
 
 
 # Every public state with fields (ValueClipState has none), new ones too.

@@ -25,8 +25,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import optaxclip as oc
-from optaxclip._loss_scale import LossScaleState, dynamic_loss_scale, loss_scale
-from optaxclip._skip import skip_step
+from optaxclip._guards.loss_scale import LossScaleState, dynamic_loss_scale, loss_scale
+from optaxclip._guards.skip import skip_step
 
 STEPS = 60
 OVERFLOWS = {3, 4, 5, 6, 7, 8, 9, 10, 20, 33, 34, 47}

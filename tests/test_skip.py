@@ -27,7 +27,7 @@ from outliers import (
 )
 
 import optaxclip as oc
-from optaxclip._skip import SkipStats, skip_step
+from optaxclip._guards.skip import SkipStats, skip_step
 
 STEPS = 300
 DECAY, WARMUP, ZSCORE, MAX_NORM = 0.95, 30, 6.0, 50.0
@@ -333,7 +333,7 @@ def test_stats_std_has_a_finite_gradient_at_a_zero_variance():
 def test_step_is_the_wrappers_decision_and_statistics():
   """``step`` is a pure function of (statistics, norm) that tests can call:
   the wrapper skips exactly when it says so and keeps its statistics."""
-  from optaxclip import _skip
+  from optaxclip._guards import skip as _skip
   settings = {"nonfinite": True, "max_norm": 10.0, "zscore": 2.0,
               "ema_decay": 0.9, "warmup_steps": 2}
   tx = oc.skip_step(optax.sgd(1.0), **settings)
@@ -660,7 +660,7 @@ def test_two_huge_losses_of_opposite_signs_leave_the_statistics_finite():
 
 def test_step_with_a_loss_is_the_wrappers_decision_and_statistics():
   """``step(stats, norm, loss=...)`` is the pure function the wrapper runs."""
-  from optaxclip import _skip
+  from optaxclip._guards import skip as _skip
   settings = {"nonfinite": True, "max_norm": 10.0, "zscore": 2.0,
               "ema_decay": 0.9, "warmup_steps": 2, "loss_zscore": 3.0}
   tx = oc.skip_step(optax.sgd(1.0), **settings)
@@ -973,7 +973,7 @@ def pure_skip_run(guard, window=None):
   """The statistics alone (``_skip_stats.step``) over a sequence, with
   traced settings: one compile per guard (EMA statistics, or a window of
   ``window`` values)."""
-  from optaxclip import _skip_stats
+  from optaxclip._guards import skip_stats as _skip_stats
 
   @jax.jit
   def run(values, warmup, bound, offset):

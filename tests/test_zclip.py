@@ -31,7 +31,7 @@ from test_contract import tree_like, warm
 from test_skip import CHECKED, TAIL, adversarial, longest_run
 
 import optaxclip as oc
-from optaxclip._zclip import zclip
+from optaxclip._adaptive.zclip import zclip
 
 # A spike inside the warm-up too: it inflates the initial mean and variance.
 SPIKES = {10: 30.0, 40: 10.0, 77: 100.0, 150: 50.0, 151: 20.0, 152: 10.0}
@@ -244,7 +244,7 @@ def test_a_warm_up_of_zero_norms_starts_again():
 def test_step_is_the_transforms_statistics_update():
   """``step`` is a pure function of (state, norm) that tests can call: the
   transform's update is the step's factor applied to the gradients."""
-  from optaxclip import _zclip
+  from optaxclip._adaptive import zclip as _zclip
   settings = {"alpha": 0.9, "z_thresh": 2.5, "max_grad_norm": 1.0, "eps": 1e-6,
               "mode": "zscore", "clip_option": "adaptive_scaling",
               "clip_factor": 1.0, "skip_update_on_spike": False}
@@ -287,7 +287,7 @@ def test_a_lasting_rise_is_cut_at_most_max_consecutive_spikes_times(
 @functools.cache
 def pure_zclip_run(warmup, skip_update_on_spike, mode):
   """``_zclip.step`` alone over a sequence of norms (traced bound)."""
-  from optaxclip import _zclip
+  from optaxclip._adaptive import zclip as _zclip
   settings = {"alpha": 0.97, "z_thresh": 2.5, "max_grad_norm": None,
               "eps": 1e-6, "mode": mode, "clip_option": "adaptive_scaling",
               "clip_factor": 1.0, "skip_update_on_spike": skip_update_on_spike}

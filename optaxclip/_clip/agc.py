@@ -26,7 +26,9 @@ import numpy as np
 import optax
 from optax._src import base as optax_base
 
-from optaxclip import _core, _counters, _scaling, _stats, _tree, _validation
+from optaxclip import _core, _tree, _validation
+from optaxclip._clip import scaling
+from optaxclip._stats import counters, registry
 from optaxclip._types import AxisName, PyTree, Scalar
 
 # optax's unitwise_clip divides by max(norm, 1e-6): kept for equal numbers.
@@ -56,13 +58,13 @@ class AGCState(NamedTuple):
   def fresh(cls) -> "AGCState":
     """The state before the first step."""
     return cls(clipped_fraction=jnp.zeros([], jnp.float32),
-               clipped_units=_counters.zero(), scale=jnp.ones([], jnp.float32),
-               count=_counters.zero(), clipped_count=_counters.zero(),
-               nonfinite_count=_counters.zero())
+               clipped_units=counters.zero(), scale=jnp.ones([], jnp.float32),
+               count=counters.zero(), clipped_count=counters.zero(),
+               nonfinite_count=counters.zero())
 
 
-_stats.register(AGCState, "agc",
-                extras=lambda state: {"clip_rate": _counters.clip_rate(state)})
+registry.register(AGCState, "agc",
+                  extras=lambda state: {"clip_rate": counters.clip_rate(state)})
 
 
 # The axes one AGC unit spans: an int or a tuple of ints, or None (optax's
@@ -108,7 +110,7 @@ def _clip(fn: str, updates: PyTree, params: PyTree, clipping, eps,
   # optax: unclipped when g < limit, else limit / max(g, 1e-6); computed once,
   # for every device's units (statistics need no second all-reduce).
   factors = unit_factors(grads.units, limits)
-  clipped = _scaling.scale_leaves(updates, grads.to_leaves(factors))
+  clipped = scaling.scale_leaves(updates, grads.to_leaves(factors))
   return clipped, (jnp.sum(factors < 1, dtype=jnp.float32),
                    jnp.asarray(factors.size, jnp.float32),
                    jnp.min(factors, initial=1.0),
@@ -292,7 +294,7 @@ def adaptive_grad_clip(clipping: Scalar, *, eps: Scalar = 1e-3, axis: Axis = Non
         clipped_fraction=(hits / jnp.maximum(units, 1)).astype(jnp.float32),
         clipped_units=hits.astype(jnp.int32),
         scale=smallest.astype(jnp.float32),
-        **_counters.step_counts(state, finite=finite, clipped=hits > 0))
+        **counters.step_counts(state, finite=finite, clipped=hits > 0))
     return clipped, new_state
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -16,7 +16,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxclip import _core, _counters, _running_stats, _scaling, _stats, _validation
+from optaxclip import _core, _validation
+from optaxclip._clip import scaling
+from optaxclip._stats import counters, registry, running
 from optaxclip._types import AxisName, PyTree, Scalar
 
 
@@ -45,12 +47,12 @@ class BlockRMSState(NamedTuple):
   def fresh(cls, dtype: jax.typing.DTypeLike) -> "BlockRMSState":
     """The state before the first step, its floats in ``dtype``."""
     return cls(rms=jnp.zeros([], dtype), scale=jnp.ones([], dtype),
-               count=_counters.zero(), clipped_count=_counters.zero(),
-               nonfinite_count=_counters.zero())
+               count=counters.zero(), clipped_count=counters.zero(),
+               nonfinite_count=counters.zero())
 
 
-_stats.register(BlockRMSState, "block_rms",
-                extras=lambda state: {"clip_rate": _counters.clip_rate(state)})
+registry.register(BlockRMSState, "block_rms",
+                  extras=lambda state: {"clip_rate": counters.clip_rate(state)})
 
 
 def _clip(fn: str, tree: PyTree, threshold: Scalar, where: _core.Where,
@@ -65,8 +67,8 @@ def _clip(fn: str, tree: PyTree, threshold: Scalar, where: _core.Where,
   """
   _validation.check_tree(fn, "the tree", tree)
   measured = _core.measure(fn, tree, 2, where, kept, rms=True)
-  factors = _scaling.clip_factor(measured.units, threshold, 0.0)
-  clipped = _scaling.scale_leaves(tree, measured.to_leaves(factors))
+  factors = scaling.clip_factor(measured.units, threshold, 0.0)
+  clipped = scaling.scale_leaves(tree, measured.to_leaves(factors))
   return clipped, measured.units, factors
 
 
@@ -172,7 +174,7 @@ def clip_by_block_rms(threshold: Scalar, *, axis_name: AxisName = None,
   kept = _core.layers(_validation.check_layer_axis(fn, layer_axis))
 
   def init_fn(params):
-    return BlockRMSState.fresh(_running_stats.statistics_dtype(params))
+    return BlockRMSState.fresh(running.statistics_dtype(params))
 
   def update_fn(updates, state, params=None):
     del params
@@ -185,8 +187,8 @@ def clip_by_block_rms(threshold: Scalar, *, axis_name: AxisName = None,
     new_state = BlockRMSState(
         rms=largest.astype(state.rms.dtype),
         scale=smallest.astype(state.scale.dtype),
-        **_counters.step_counts(state, finite=jnp.isfinite(largest),
-                                clipped=smallest < 1))
+        **counters.step_counts(state, finite=jnp.isfinite(largest),
+                               clipped=smallest < 1))
     return clipped, new_state
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -13,7 +13,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxclip import _core, _counters, _running_stats, _scaling, _stats, _validation
+from optaxclip import _core, _validation
+from optaxclip._clip import scaling
+from optaxclip._stats import counters, registry, running
 from optaxclip._types import AxisName, Scalar
 
 PyTree = Any
@@ -49,15 +51,15 @@ class AutoClipState(NamedTuple):
   @classmethod
   def fresh(cls, dtype: jax.typing.DTypeLike, history: int) -> "AutoClipState":
     """The state before the first step: an empty buffer of ``history``."""
-    return cls(norms=jnp.zeros([history], dtype), position=_counters.zero(),
-               size=_counters.zero(), norm=jnp.zeros([], dtype),
+    return cls(norms=jnp.zeros([history], dtype), position=counters.zero(),
+               size=counters.zero(), norm=jnp.zeros([], dtype),
                threshold=jnp.zeros([], dtype), scale=jnp.ones([], dtype),
-               count=_counters.zero(), clipped_count=_counters.zero(),
-               nonfinite_count=_counters.zero())
+               count=counters.zero(), clipped_count=counters.zero(),
+               nonfinite_count=counters.zero())
 
 
-_stats.register(AutoClipState, "auto_clip", hide=("norms", "position", "size"),
-                extras=lambda state: {"clip_rate": _counters.clip_rate(state)})
+registry.register(AutoClipState, "auto_clip", hide=("norms", "position", "size"),
+                  extras=lambda state: {"clip_rate": counters.clip_rate(state)})
 
 
 def percentile_of_prefix(values: jax.Array, size: jax.Array,
@@ -144,14 +146,14 @@ def auto_clip(percentile: Scalar = 10.0, *, history: int = 1000,
 
   def init_fn(params):
     length = _validation.require_buffer_size(fn, "history", size)
-    return AutoClipState.fresh(_running_stats.statistics_dtype(params), length)
+    return AutoClipState.fresh(running.statistics_dtype(params), length)
 
   def update_fn(updates, state, params=None, *, grad_norm=None, **extra_args):
     del params, extra_args
     _validation.check_update(fn, updates, state, AutoClipState)
     norm = _core.measure(fn, updates, 2, where, given=grad_norm).total
     dtype = state.norms.dtype  # the statistics' (see init), every step
-    seen = _running_stats.to_statistics(norm, dtype)
+    seen = running.to_statistics(norm, dtype)
     finite = jnp.isfinite(norm)
     # The length comes from the state: under inject_hyperparams `history`
     # is traced here.
@@ -163,13 +165,13 @@ def auto_clip(percentile: Scalar = 10.0, *, history: int = 1000,
     threshold = percentile_of_prefix(norms, filled,
                                      jnp.asarray(percentile, jnp.float32))
     # From the norm itself: a float64 norm beyond float32 statistics.
-    factor = _scaling.clip_factor(norm, threshold.astype(norm.dtype), eps)
+    factor = scaling.clip_factor(norm, threshold.astype(norm.dtype), eps)
     new_state = AutoClipState(
         norms=norms, position=position.astype(jnp.int32),
         size=filled.astype(jnp.int32),
         norm=seen, threshold=threshold.astype(dtype),
         scale=factor.astype(dtype),
-        **_counters.step_counts(state, finite=finite, clipped=factor < 1))
-    return _scaling.scale_leaves(updates, factor), new_state
+        **counters.step_counts(state, finite=finite, clipped=factor < 1))
+    return scaling.scale_leaves(updates, factor), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -14,7 +14,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxclip import _core, _counters, _running_stats, _scaling, _stats, _validation
+from optaxclip import _core, _validation
+from optaxclip._clip import scaling
+from optaxclip._stats import counters, registry, running
 from optaxclip._types import AxisName, Scalar
 
 PyTree = Any
@@ -63,20 +65,20 @@ class AdaGCState(NamedTuple):
     return cls(gamma=jnp.full([tensors], jnp.inf, dtype),
                norm_min=jnp.full([], jnp.inf, dtype),
                norm=jnp.zeros([], dtype), scale=jnp.ones([], dtype),
-               clipped_tensors=_counters.zero(), count=_counters.zero(),
-               clipped_count=_counters.zero(), nonfinite_count=_counters.zero(),
-               outlier_streak=_counters.zero(),
+               clipped_tensors=counters.zero(), count=counters.zero(),
+               clipped_count=counters.zero(), nonfinite_count=counters.zero(),
+               outlier_streak=counters.zero(),
                far_streak=jnp.zeros([tensors], jnp.int32))
 
 
 def _extras(state: AdaGCState) -> dict[str, jax.Array]:
   return {"gamma_min": jnp.min(state.gamma, initial=jnp.inf),
           "gamma_max": jnp.max(state.gamma, initial=0.0),
-          "clip_rate": _counters.clip_rate(state)}
+          "clip_rate": counters.clip_rate(state)}
 
 
-_stats.register(AdaGCState, "adagc", extras=_extras,
-                hide=("gamma", "norm_min", "outlier_streak", "far_streak"))
+registry.register(AdaGCState, "adagc", extras=_extras,
+                  hide=("gamma", "norm_min", "outlier_streak", "far_streak"))
 
 
 def _warm_up(state: AdaGCState, norm: jax.Array, clipped_norms: jax.Array
@@ -89,10 +91,10 @@ def _warm_up(state: AdaGCState, norm: jax.Array, clipped_norms: jax.Array
   was first), or ``RESTART_AFTER`` outliers in a row (a tiny first norm),
   start it again from this step.
   """
-  outlier = _running_stats.far_above(norm, state.norm_min)
-  streak, again = _running_stats.streak_of(state.outlier_streak, outlier,
-                                           jnp.ones([], bool))
-  restart = _running_stats.far_below(norm, state.norm_min) | again
+  outlier = running.far_above(norm, state.norm_min)
+  streak, again = running.streak_of(state.outlier_streak, outlier,
+                                    jnp.ones([], bool))
+  restart = running.far_below(norm, state.norm_min) | again
   outlier = outlier & ~restart
   gamma = jnp.where(restart, clipped_norms, jnp.where(
       outlier, state.gamma, jnp.minimum(state.gamma, clipped_norms)))
@@ -114,18 +116,18 @@ def step(state: AdaGCState, norms: jax.Array, norm: jax.Array, *,
   # After the warm-up, a tensor over OUTLIER_RATIO times its threshold, or
   # (non-zero) as far below its gamma, RESTART_AFTER times in a row (a
   # lasting level, a zero warm-up) starts its gamma again from its norm.
-  far = ~warming & (_running_stats.far_above(
+  far = ~warming & (running.far_above(
       norms, jnp.asarray(lambda_rel, dtype) * state.gamma) | (
-          (norms > 0) & _running_stats.far_below(norms, state.gamma)))
-  far_streak, release = _running_stats.streak_of(state.far_streak, far, finite)
+          (norms > 0) & running.far_below(norms, state.gamma)))
+  far_streak, release = running.streak_of(state.far_streak, far, finite)
   gamma = jnp.where(release, norms, state.gamma)
-  factors = jnp.where(warming, _scaling.clip_factor(norm, lambda_abs, eps),
-                      _scaling.clip_factor(
-                          norms, jnp.asarray(lambda_rel, dtype) * gamma, eps))
+  factors = jnp.where(warming, scaling.clip_factor(norm, lambda_abs, eps),
+                      scaling.clip_factor(
+                         norms, jnp.asarray(lambda_rel, dtype) * gamma, eps))
   clipped_norms = factors * norms
   warm_gamma, norm_min, outlier_streak = _warm_up(state, norm, clipped_norms)
   gamma = jnp.where(warming, warm_gamma, jnp.where(
-      release, norms, _running_stats.ema_mean(
+      release, norms, running.ema_mean(
           gamma, clipped_norms, jnp.asarray(beta, dtype))))
   warm_finite = finite & warming
   clipped = jnp.sum(factors < 1, dtype=jnp.int32)
@@ -138,7 +140,7 @@ def step(state: AdaGCState, norms: jax.Array, norm: jax.Array, *,
       outlier_streak=jnp.where(warm_finite, outlier_streak,
                                state.outlier_streak),
       far_streak=far_streak,
-      **_counters.step_counts(state, finite=finite, clipped=clipped > 0))
+      **counters.step_counts(state, finite=finite, clipped=clipped > 0))
 
 
 def adagc(*, lambda_abs: Scalar = 1.0, lambda_rel: Scalar = 1.05, beta: Scalar = 0.98,
@@ -205,7 +207,7 @@ def adagc(*, lambda_abs: Scalar = 1.0, lambda_rel: Scalar = 1.05, beta: Scalar =
               "beta": beta, "warmup_steps": warmup_steps, "eps": eps}
 
   def init_fn(params):
-    return AdaGCState.fresh(_running_stats.statistics_dtype(params), sum(
+    return AdaGCState.fresh(running.statistics_dtype(params), sum(
         math.prod(shape) for shape in _core.unit_shapes(fn, params, layers)))
 
   def update_fn(updates, state, params=None):
@@ -219,7 +221,7 @@ def adagc(*, lambda_abs: Scalar = 1.0, lambda_rel: Scalar = 1.05, beta: Scalar =
     # updates, no second all-reduce, and the same overflow-safe norm.
     norm = _core.norm_of([norms], 2)
     factors, new_state = step(state, norms, norm, **settings)
-    return _scaling.scale_leaves(updates, measured.to_leaves(factors)), new_state
+    return scaling.scale_leaves(updates, measured.to_leaves(factors)), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)
 

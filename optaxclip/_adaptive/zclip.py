@@ -15,16 +15,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxclip import (
-  _core,
-  _counters,
-  _leaf_stats,
-  _running_stats,
-  _scaling,
-  _stats,
-  _validation,
-)
-from optaxclip._counters import Counter
+from optaxclip import _core, _validation
+from optaxclip._clip import scaling
+from optaxclip._stats import counters, leaf_stats, registry, running
+from optaxclip._stats.counters import Counter
 from optaxclip._types import AxisName, Scalar
 
 PyTree = Any
@@ -98,24 +92,24 @@ class ZClipState(NamedTuple):
     """The state before the first step: an empty warm-up buffer."""
     return cls(mean=jnp.zeros([], dtype), var=jnp.zeros([], dtype),
                warmup_norms=jnp.zeros([warmup_steps], dtype),
-               collected=_counters.zero(), norm=jnp.zeros([], dtype),
+               collected=counters.zero(), norm=jnp.zeros([], dtype),
                z=jnp.zeros([], dtype), threshold=jnp.zeros([], dtype),
-               scale=jnp.ones([], dtype), count=_counters.zero(),
-               clipped_count=_counters.zero(), spike_count=_counters.zero(),
-               nonfinite_count=_counters.zero(), stale_count=_counters.zero(),
-               spike_streak=_counters.zero(), leaf_norms=leaf_norms,
+               scale=jnp.ones([], dtype), count=counters.zero(),
+               clipped_count=counters.zero(), spike_count=counters.zero(),
+               nonfinite_count=counters.zero(), stale_count=counters.zero(),
+               spike_streak=counters.zero(), leaf_norms=leaf_norms,
                stack_norms=stack_norms)
 
 
 def _extras(state: ZClipState) -> dict[str, jax.Array]:
-  return {"std": _running_stats.safe_sqrt(state.var),
-          "clip_rate": _counters.clip_rate(state),
-          **_leaf_stats.entries(state.leaf_norms, state.stack_norms)}
+  return {"std": running.safe_sqrt(state.var),
+          "clip_rate": counters.clip_rate(state),
+          **leaf_stats.entries(state.leaf_norms, state.stack_norms)}
 
 
-_stats.register(ZClipState, "zclip", extras=_extras,
-                hide=("var", "warmup_norms", "collected", "stale_count",
-                      "spike_streak", "leaf_norms", "stack_norms"))
+registry.register(ZClipState, "zclip", extras=_extras,
+                  hide=("var", "warmup_norms", "collected", "stale_count",
+                        "spike_streak", "leaf_norms", "stack_norms"))
 
 
 def _safe_divide(numerator: jax.Array, denominator: jax.Array,
@@ -169,7 +163,7 @@ def _warm_up(state: ZClipState, norm: jax.Array) -> _WarmUp:
   starts = warming & (collected >= length)
   # Only the last warm-up step needs them (and pays for the median).
   mean, var = jax.lax.cond(
-      starts, _running_stats.robust_moments, lambda b: (state.mean, state.var),
+      starts, running.robust_moments, lambda b: (state.mean, state.var),
       buffer)
   return _WarmUp(warming, starts, buffer, collected, mean, var)
 
@@ -196,7 +190,7 @@ def step(state: ZClipState, norm: jax.Array, *, alpha: Scalar,
   finite = jnp.isfinite(norm)
   warm = _warm_up(state, norm)
   # After warm-up: z-score against the EMA.
-  std = _running_stats.safe_sqrt(state.var)
+  std = running.safe_sqrt(state.var)
   deviation = norm - state.mean
   z = _safe_divide(deviation, std + jnp.asarray(eps, dtype),
                    jnp.where(deviation > 0, jnp.inf, 0.0))
@@ -212,23 +206,23 @@ def step(state: ZClipState, norm: jax.Array, *, alpha: Scalar,
   coefficient = _safe_divide(threshold, norm + COEFFICIENT_EPS, 1.0)
   factor = jnp.where(norm > threshold, coefficient, 1.0)
   if max_grad_norm is not None:  # warm-up: torch's clip_grad_norm_
-    warm_factor = _scaling.clip_factor(norm, max_grad_norm, COEFFICIENT_EPS)
+    warm_factor = scaling.clip_factor(norm, max_grad_norm, COEFFICIENT_EPS)
   else:
     warm_factor = jnp.ones([], dtype)
   factor = jnp.where(warm.warming, warm_factor, factor)
 
   # EMA: mean first, then the variance around the new mean (ZClip's); a
   # released spike is fed in full.
-  mean, var = _running_stats.ema(state.mean, state.var,
-                                 jnp.where(spike, limit, norm),
-                                 jnp.asarray(alpha, dtype), zclip=True)
+  mean, var = running.ema(state.mean, state.var,
+                          jnp.where(spike, limit, norm),
+                          jnp.asarray(alpha, dtype), zclip=True)
   tracks = ~warm.warming & finite
   if skip_update_on_spike:
     tracks = tracks & ~spike
   mean = jnp.where(warm.starts, warm.mean, jnp.where(tracks, mean, state.mean))
   var = jnp.where(warm.starts, warm.var, jnp.where(tracks, var, state.var))
   # Statistics that ordinary norms find far above them: warm up again.
-  stale, restart = _running_stats.stale_streak(
+  stale, restart = running.stale_streak(
       state.stale_count, norm, state.mean, ~warm.warming & finite)
   mean, var = jnp.where(restart, 0, mean), jnp.where(restart, 0, var)
   # A warm-up of zero norms gives no scale: with mean and std 0 every later
@@ -241,12 +235,12 @@ def step(state: ZClipState, norm: jax.Array, *, alpha: Scalar,
       collected=jnp.where(restart, 0, warm.collected).astype(jnp.int32),
       norm=norm, z=jnp.where(warm.warming, 0.0, z).astype(dtype),
       threshold=threshold.astype(dtype), scale=factor.astype(dtype),
-      spike_count=_counters.count_if(spike, state.spike_count),
+      spike_count=counters.count_if(spike, state.spike_count),
       stale_count=stale,
       spike_streak=jnp.where(finite, jnp.where(
-          detected, _counters.increment(state.spike_streak), 0),
+          detected, counters.increment(state.spike_streak), 0),
           state.spike_streak).astype(jnp.int32),
-      **_counters.step_counts(state, finite=finite, clipped=factor < 1))
+      **counters.step_counts(state, finite=finite, clipped=factor < 1))
   return factor, new_state
 
 
@@ -328,10 +322,10 @@ def zclip(*, alpha: Scalar = 0.97, z_thresh: Scalar = 2.5,
 
   def init_fn(params):
     length = _validation.require_buffer_size(fn, "warmup_steps", size)
-    dtype = _running_stats.statistics_dtype(params)
+    dtype = running.statistics_dtype(params)
     kept = (None, None)
     if leaf_norms:
-      kept = _leaf_stats.zeros(fn, params, _core.layers(layer_axis), dtype)
+      kept = leaf_stats.zeros(fn, params, _core.layers(layer_axis), dtype)
     return ZClipState.fresh(dtype, length, *kept)
 
   settings = {"alpha": alpha, "z_thresh": z_thresh,
@@ -348,8 +342,8 @@ def zclip(*, alpha: Scalar = 0.97, z_thresh: Scalar = 2.5,
     dtype = state.mean.dtype  # the statistics' (see init), every step
     factor, new_state = step(state, measured.total.astype(dtype), **settings)
     if leaf_norms:
-      norms, stacks = _leaf_stats.measured(measured, dtype)
+      norms, stacks = leaf_stats.measured(measured, dtype)
       new_state = new_state._replace(leaf_norms=norms, stack_norms=stacks)
-    return _scaling.scale_leaves(updates, factor), new_state
+    return scaling.scale_leaves(updates, factor), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

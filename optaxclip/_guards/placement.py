@@ -2,7 +2,7 @@
 
 A clipper must see unscaled gradients, and ``skip_step`` must let a loss
 scale's back-off stick and judge the unscaled norm: so transforms recognise
-loss-scale states (registered here by ``_loss_scale``) without importing
+loss-scale states (registered here by ``_guards.loss_scale``) without importing
 the loss-scale module. Everything here reads only the state's structure:
 it is free under ``jit``.
 """
@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import optax
 
-from optaxclip import _stats
+from optaxclip._stats import registry
 
 PyTree = Any
 
@@ -45,7 +45,7 @@ def find_loss_scale_states(opt_state: Any) -> list[Any]:
 def _is_placed(x: Any) -> bool:
   """A loss scaler's or a clipper's state: what ``check_placement`` orders."""
   return (type(x) in _LOSS_SCALES or type(x) in _WRAPPERS or
-          _stats.is_clipper_state(x))
+          registry.is_clipper_state(x))
 
 
 def _route(tree: PyTree, path: tuple[Any, ...]) -> list[tuple[Any, int]]:
@@ -108,7 +108,7 @@ def check_placement(opt_state: Any, where: str, root: str = "opt_state") -> None
   placed = [(path, node, _route(opt_state, path))
             for path, node in found if _is_placed(node)]
   for path, node, route in placed:
-    if _stats.is_clipper_state(node):
+    if registry.is_clipper_state(node):
       continue
     at = f"{root}{jax.tree_util.keystr(path)}"
     for container, _ in route:
@@ -116,7 +116,7 @@ def check_placement(opt_state: Any, where: str, root: str = "opt_state") -> None
         raise ValueError(f"`{where}`: dynamic_loss_scale's state ({at}) is "
                          f"inside {_NOT_AROUND[type(container)]}")
     for clip_path, clipper, clip_route in placed:
-      if _stats.is_clipper_state(clipper) and _comes_before(clip_route, route):
+      if registry.is_clipper_state(clipper) and _comes_before(clip_route, route):
         raise ValueError(
             f"`{where}`: the clipper state {type(clipper).__name__} at "
             f"{root}{jax.tree_util.keystr(clip_path)} comes before "

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.core import Tracer
 
-from optaxclip import _counters
-from optaxclip._nonfinite import NonFiniteGradientError
+from optaxclip._clip.on_nonfinite import NonFiniteGradientError
+from optaxclip._stats import counters
 
 # The largest loss scale: the gradients are unscaled by 1/scale, and above
 # 2**126 that reciprocal is subnormal, which XLA:CPU and GPUs flush to zero
@@ -73,9 +73,9 @@ class LossScaleState(NamedTuple):
                                  MAX_SCALE),
                good_steps=-jnp.array(growth_delay, jnp.int32, copy=True),
                hysteresis=jnp.array(hysteresis, jnp.int32, copy=True),
-               count=_counters.zero(), overflow_count=_counters.zero(),
-               min_scale_overflow_count=_counters.zero(),
-               micro_step=_counters.zero(), window_overflows=_counters.zero())
+               count=counters.zero(), overflow_count=counters.zero(),
+               min_scale_overflow_count=counters.zero(),
+               micro_step=counters.zero(), window_overflows=counters.zero())
 
 
 class Schedule(NamedTuple):
@@ -104,7 +104,7 @@ def adjust(state: LossScaleState, finite: jax.Array, schedule: Schedule
   new_scale = jnp.where(grow & (grown <= MAX_SCALE), grown, jnp.where(
       back_off, jnp.maximum(min_scale, scale / factor), scale))
   good = jnp.where(grow, jnp.zeros([], jnp.int32),
-                   _counters.increment(state.good_steps))
+                   counters.increment(state.good_steps))
   refill = (finite if s.consecutive_hysteresis else grow)
   # DeepSpeed keeps 1 once hysteresis is spent: each overflow then backs off.
   left = jnp.where(refill, full, jnp.where(finite | back_off, left, left - 1))
@@ -113,7 +113,7 @@ def adjust(state: LossScaleState, finite: jax.Array, schedule: Schedule
       scale=new_scale.astype(jnp.float32),
       good_steps=jnp.where(finite, good, -jnp.asarray(s.growth_delay, jnp.int32)),
       hysteresis=left.astype(jnp.int32),
-      min_scale_overflow_count=_counters.count_if(
+      min_scale_overflow_count=counters.count_if(
           at_floor, state.min_scale_overflow_count)), at_floor
 
 

@@ -19,7 +19,7 @@ while the scale's back-off sticks. The compositions that keep this:
   also skips norm spikes (``skip_step`` sees unscaled gradients and never an
   overflow).
 - ``skip_step(optax.chain(dynamic_loss_scale(), optax.adamw(...)))``:
-  ``skip_step`` rolls back every inner state except the loss scale's, and
+step`` rolls back every inner state except the loss scale's, and
   judges its input (still scaled) divided by the scale.
 - With gradient accumulation, ``dynamic_loss_scale(inner, every_k_steps=k)``
   is GradScaler's: the scale is fixed for a window of ``k`` micro-batches,
@@ -47,7 +47,7 @@ put them after too) or when the loss scaling sits inside
 ``optax.MultiSteps`` or ``optax.apply_if_finite`` (which would roll the
 back-off back: the next steps would overflow again).
 
-The schedule (``_loss_scale_schedule``) is GradScaler's, with DeepSpeed's
+The schedule (``_guards.loss_scale_schedule``) is GradScaler's, with DeepSpeed's
 and Megatron-LM's hysteresis as options. Its settings live in the
 transform, not in the state: a state that went through ``jit``, flattening or a
 checkpoint keeps every field, and a restored run goes on with the same
@@ -61,8 +61,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxclip import _core, _counters, _placement, _scaling, _stats, _tree, _validation
-from optaxclip._loss_scale_schedule import (
+from optaxclip import _core, _tree, _validation
+from optaxclip._clip import scaling
+from optaxclip._guards import placement
+from optaxclip._guards.loss_scale_schedule import (
   MAX_SCALE,
   MIN_SCALE,
   LossScaleState,
@@ -70,6 +72,7 @@ from optaxclip._loss_scale_schedule import (
   adjust,
   raise_at_floor,
 )
+from optaxclip._stats import counters, registry
 from optaxclip._types import AxisName, Scalar
 
 PyTree = Any
@@ -90,9 +93,9 @@ class LossScaleWrapperState(NamedTuple):
   accumulated: PyTree = None
 
 
-_stats.register(LossScaleState, "loss_scale", clips=False,
-                hide=("micro_step", "window_overflows"))
-_placement.register_loss_scale(LossScaleState, LossScaleWrapperState)
+registry.register(LossScaleState, "loss_scale", clips=False,
+                  hide=("micro_step", "window_overflows"))
+placement.register_loss_scale(LossScaleState, LossScaleWrapperState)
 
 
 def loss_scale(opt_state: optax.OptState) -> jax.Array:
@@ -134,7 +137,7 @@ def loss_scale(opt_state: optax.OptState) -> jax.Array:
     optax.chain(optaxclip.dynamic_loss_scale(...), clipper, optimizer), or
     optaxclip.dynamic_loss_scale(optax.chain(clipper, optimizer))
   """
-  found = _placement.find_loss_scale_states(opt_state)
+  found = placement.find_loss_scale_states(opt_state)
   if len(found) != 1:
     what = "no" if not found else f"{len(found)}"
     raise ValueError(
@@ -142,7 +145,7 @@ def loss_scale(opt_state: optax.OptState) -> jax.Array:
         f"in the optimizer state, found {what}: build the optimizer with "
         f"optaxclip.dynamic_loss_scale() (once), e.g. "
         f"optaxclip.dynamic_loss_scale(optax.adamw(...))")
-  _placement.check_placement(opt_state, "loss_scale(opt_state)")
+  placement.check_placement(opt_state, "loss_scale(opt_state)")
   return found[0].scale
 
 
@@ -171,8 +174,8 @@ def unscale(updates: PyTree, state: LossScaleState, where: _core.Where,
   # A multiply by 1/scale: exact for powers of two, and each leaf keeps its
   # dtype (half precision is unscaled in float32 and rounded once). Zeros
   # rather than Inf/NaN: nothing after the loss scaling sees them.
-  unscaled = _scaling.zero_unless(
-      finite, _scaling.scale_leaves(updates, inverse))
+  unscaled = scaling.zero_unless(
+      finite, scaling.scale_leaves(updates, inverse))
   known = _core.KnownNorm(jnp.where(finite, norm, 0), 2, where,
                           tuple(_tree.clippable_leaves(unscaled)))
   return unscaled, finite, known
@@ -205,7 +208,7 @@ def _accumulator(fn: str, params: PyTree) -> PyTree:
                      f"jax.ShapeDtypeStruct), got None")
   def zeros(p):
     if not _tree.is_clippable(p):
-      return _counters.zero()
+      return counters.zero()
     p = _tree.as_array(p)
     return jnp.zeros_like(p, jnp.promote_types(p.dtype, jnp.float32))
 
@@ -214,9 +217,9 @@ def _accumulator(fn: str, params: PyTree) -> PyTree:
 
 def _count(new: LossScaleState, old: LossScaleState, finite: jax.Array
            ) -> LossScaleState:
-  return new._replace(count=_counters.increment(old.count),
-                      overflow_count=_counters.count_if(~finite,
-                                                        old.overflow_count))
+  return new._replace(count=counters.increment(old.count),
+                      overflow_count=counters.count_if(~finite,
+                                                      old.overflow_count))
 
 
 def _advance(state: LossScaleState, finite: jax.Array, unscaled: PyTree,
@@ -228,7 +231,7 @@ def _advance(state: LossScaleState, finite: jax.Array, unscaled: PyTree,
   if accumulated is None:
     new, at_floor = adjust(state, finite, schedule)
     return _count(new, state, finite), unscaled, None, finite, at_floor
-  micro = _counters.increment(state.micro_step)
+  micro = counters.increment(state.micro_step)
   last = micro >= every_k_steps
   window_finite = finite & (state.window_overflows == 0)
   summed = jax.tree.map(
@@ -243,7 +246,7 @@ def _advance(state: LossScaleState, finite: jax.Array, unscaled: PyTree,
   restart = jnp.zeros([], jnp.int32)
   new = new._replace(
       micro_step=jnp.where(last, restart, micro),
-      window_overflows=jnp.where(last, restart, _counters.count_if(
+      window_overflows=jnp.where(last, restart, counters.count_if(
           ~finite, state.window_overflows)))
   accumulated = jax.tree.map(lambda s: jnp.where(last, jnp.zeros_like(s), s),
                              summed)
@@ -395,8 +398,8 @@ def dynamic_loss_scale(
     if wrapped is None:
       return state
     inner_state = wrapped.init(params)
-    _placement.check_placement(inner_state, f"{fn}(inner=...).init",
-                               "inner_state")
+    placement.check_placement(inner_state, f"{fn}(inner=...).init",
+                              "inner_state")
     accumulated = None if k is None else _accumulator(fn, params)
     return LossScaleWrapperState(state, inner_state, accumulated)
 
@@ -417,7 +420,7 @@ def dynamic_loss_scale(
       new_updates, new_inner = wrapped.update(grads, state.inner_state,
                                               params, **extra_args)
     # Selected on the device (no host sync): an overflow drops the step.
-    new_updates = _scaling.zero_unless(step, new_updates)
+    new_updates = scaling.zero_unless(step, new_updates)
     new_inner = jax.tree.map(lambda new, old: jnp.where(step, new, old),
                              new_inner, state.inner_state)
     return new_updates, LossScaleWrapperState(new, new_inner, accumulated)

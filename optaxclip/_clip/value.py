@@ -6,7 +6,8 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 import optax
 
-from optaxclip import _stats, _tree, _validation
+from optaxclip import _tree, _validation
+from optaxclip._stats import registry
 from optaxclip._types import Scalar
 
 PyTree = Any
@@ -105,7 +106,7 @@ class ValueClipState(NamedTuple):
   """
 
 
-_stats.register(ValueClipState, "clip_value")
+registry.register(ValueClipState, "clip_value")
 
 
 def clip_by_value(max_value: Scalar,

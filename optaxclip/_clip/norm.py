@@ -4,7 +4,7 @@ Measure -> factor -> scale -> state. Every leaf (or unit) is multiplied by
 ``s = max_norm / (norm + eps)`` unless ``norm + eps <= max_norm`` (then 1):
 with ``eps == 0`` Optax's and TensorFlow's threshold, with ``eps > 0``
 PyTorch's and MindSpore's ``min(1, max_norm / (norm + eps))``; one formula,
-so ``eps`` may be injected and traced too (``_scaling.clip_factor``).
+so ``eps`` may be injected and traced too (``scaling.clip_factor``).
 """
 
 from typing import NamedTuple
@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxclip import _core, _groups, _nonfinite, _scaling, _tree, _validation
-from optaxclip._clip_state import ClipState, init_clip_state
+from optaxclip import _core, _tree, _validation
+from optaxclip._clip import on_nonfinite, per_group, scaling
+from optaxclip._clip.state import ClipState, init_clip_state
 from optaxclip._types import AxisName, NonFinite, Ord, PyTree, Scalar
 
 PYTORCH_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ divides by norm + 1e-6
@@ -34,8 +35,8 @@ def _clip_each(fn: str, tree: PyTree, max_norm, p, eps, where: _core.Where,
   (``given``, a global norm, plays no part)."""
   del given
   measured = _core.measure(fn, tree, p, where, kept)
-  factors = _scaling.clip_factor(measured.units, max_norm, eps)
-  clipped = _scaling.scale_leaves(tree, measured.to_leaves(factors))
+  factors = scaling.clip_factor(measured.units, max_norm, eps)
+  clipped = scaling.scale_leaves(tree, measured.to_leaves(factors))
   return _Clipped(clipped, jnp.max(measured.units, initial=0),
                   jnp.min(factors, initial=1), measured)
 
@@ -46,8 +47,8 @@ def _clip_global(fn: str, tree: PyTree, max_norm, p, eps, where: _core.Where,
   from the same pass, or ``TOTAL``; ``given``: a norm measured upstream)."""
   measured = _core.measure(fn, tree, p, where, kept,
                            given=given if kept is _core.TOTAL else None)
-  factor = _scaling.clip_factor(measured.total, max_norm, eps)
-  return _Clipped(_scaling.scale_leaves(tree, factor), measured.total, factor,
+  factor = scaling.clip_factor(measured.total, max_norm, eps)
+  return _Clipped(scaling.scale_leaves(tree, factor), measured.total, factor,
                   measured)
 
 
@@ -162,8 +163,8 @@ def clip_by_global_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
     return clipped.tree, clipped.norm
   acc = _tree.accumulation_dtype(_tree.clippable_leaves(tree))
   norm = jnp.asarray(_check_use_norm(fn, use_norm), acc)
-  factor = _scaling.clip_factor(norm, max_norm, eps)
-  return _scaling.scale_leaves(tree, factor), norm
+  factor = scaling.clip_factor(norm, max_norm, eps)
+  return scaling.scale_leaves(tree, factor), norm
 
 
 def _norm_clipper(fn: str, max_norm, p, eps, where: _core.Where,
@@ -173,7 +174,7 @@ def _norm_clipper(fn: str, max_norm, p, eps, where: _core.Where,
   ``update(..., grad_norm=...)``: the global norm of these updates,
   measured beforehand (a number, or passed on by ``skip_step`` and
   ``dynamic_loss_scale``): nothing is read to measure it again."""
-  _validation.check_choice(fn, "nonfinite", nonfinite, _nonfinite.MODES)
+  _validation.check_choice(fn, "nonfinite", nonfinite, on_nonfinite.MODES)
   _validation.check_bool(fn, "leaf_norms", leaf_norms)
   layers = _core.layers(_validation.check_layer_axis(fn, layer_axis))
   clip = _clip_each if per_leaf else _clip_global
@@ -195,9 +196,9 @@ def _norm_clipper(fn: str, max_norm, p, eps, where: _core.Where,
     if nonfinite != "propagate":
       # A raise reports the leaves as given: in the clipped ones a NaN
       # factor is everywhere.
-      (factor,) = _nonfinite.guard(nonfinite, fn, updates, clipped.norm,
-                                   [factor], [finite])
-      out = _nonfinite.zeroed(nonfinite, out, finite)
+      (factor,) = on_nonfinite.guard(nonfinite, fn, updates, clipped.norm,
+                                     [factor], [finite])
+      out = on_nonfinite.zeroed(nonfinite, out, finite)
     return out, state.after(clipped.norm, factor, finite=finite,
                             measured=clipped.measured if leaf_norms else None)
 
@@ -248,7 +249,7 @@ def clip_by_global_norm(max_norm: Scalar | dict[str, Scalar], *, ord: Ord = 2,
                         eps: Scalar = 0.0, axis_name: AxisName = None,
                         specs: PyTree = None, nonfinite: NonFinite = "propagate",
                         leaf_norms: bool = False, layer_axis: PyTree = None,
-                        groups: _groups.Labels = None
+                        groups: per_group.Labels = None
                         ) -> optax.GradientTransformation:
   """Scales the updates so that their global norm is at most ``max_norm``.
 
@@ -296,10 +297,10 @@ def clip_by_global_norm(max_norm: Scalar | dict[str, Scalar], *, ord: Ord = 2,
   p = _validation.check_ord(fn, ord)
   eps = _validation.check_nonnegative(fn, "eps", eps)
   where = _core.Where.of(fn, axis_name, specs)
-  max_norm = _groups.check_max_norms(fn, max_norm, groups is not None)
+  max_norm = per_group.check_max_norms(fn, max_norm, groups is not None)
   if groups is not None:
-    return _groups.group_clipper(fn, max_norm, p, eps, where, nonfinite, groups,
-                                 leaf_norms=leaf_norms, layer_axis=layer_axis)
+    return per_group.group_clipper(fn, max_norm, p, eps, where, nonfinite, groups,
+                                   leaf_norms=leaf_norms, layer_axis=layer_axis)
   return _norm_clipper(fn, max_norm, p, eps, where, nonfinite, per_leaf=False,
                        leaf_norms=leaf_norms, layer_axis=layer_axis)
 

@@ -1,11 +1,11 @@
 """``skip_step``: skipping whole optimizer steps on NaN/Inf, norm and loss spikes.
 
-The wrapper: it measures the gradients' norm, asks ``_skip_stats.step``
+The wrapper: it measures the gradients' norm, asks ``_guards.skip_stats.step``
 whether to skip, always runs the inner update and selects with
 ``jnp.where`` (no host sync, no callback, no Python branch on values), so
 that a skipped inner state is bit-identical to the one before. The
-statistics, their modes and their bounds: ``_spike_stats``,
-``_skip_stats`` and docs/guards.md.
+statistics, their modes and their bounds: ``_stats.spikes``,
+``_guards.skip_stats`` and docs/guards.md.
 """
 
 import functools
@@ -18,8 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optaxclip import _core, _leaf_stats, _placement, _running_stats, _scaling, _validation
-from optaxclip._skip_stats import MAX_CONSECUTIVE_SKIPS, SkipStats, step
+from optaxclip import _core, _validation
+from optaxclip._clip import scaling
+from optaxclip._guards import placement
+from optaxclip._guards.skip_stats import MAX_CONSECUTIVE_SKIPS, SkipStats, step
+from optaxclip._stats import leaf_stats, running
 from optaxclip._types import AxisName, Ord, PyTree, Scalar
 
 __all__ = ["SkipState", "SkipStats", "skip_step", "step"]
@@ -40,11 +43,11 @@ class SkipState(NamedTuple):
 def _keep_unless_loss_scale(skip: jax.Array, new: PyTree, old: PyTree) -> PyTree:
   """``old`` where ``skip``, leaf by leaf; loss-scale states always advance."""
   def select(n, o):
-    if _placement.is_loss_scale_state(n):
+    if placement.is_loss_scale_state(n):
       return n  # an overflow's back-off must stick
     return jnp.where(skip, o, n)
   return jax.tree.map(select, new, old,
-                      is_leaf=_placement.is_loss_scale_state)
+                      is_leaf=placement.is_loss_scale_state)
 
 
 def _check_loss_zscore(fn: str, value: Any) -> Any:
@@ -145,7 +148,7 @@ def _run_inner(inner, judge, measured: _core.Measured, updates: PyTree,
                inner_state: PyTree, params: PyTree, extra_args: dict, *,
                update_where: _core.Where | None, loss_scaled: bool, dtype):
   """``(skip, stats, inner's updates, inner's state)``: the decision
-  (``judge``, ``_skip_stats.step`` with the step's values) and inner's
+  (``judge``, ``_guards.skip_stats.step`` with the step's values) and inner's
   update, whose clipper takes the measured norm instead of reading again
   (``_core.sharing``)."""
   def run(feed, known):
@@ -155,14 +158,14 @@ def _run_inner(inner, judge, measured: _core.Measured, updates: PyTree,
   if update_where is not None:  # the update's norm judged too: inner first
     new_updates, new_inner = run(updates, measured.known())
     proposed = _core.measure("skip_step", new_updates, 2, update_where).total
-    skip, stats = judge(update_norm=_running_stats.to_statistics(
+    skip, stats = judge(update_norm=running.to_statistics(
         proposed, dtype))
     return skip, stats, new_updates, new_inner
   skip, stats = judge()
   # Zeros where the step is skipped: its result is dropped anyway, and XLA
   # fuses the select into inner's pass (measured: the rollback then costs
   # one read instead of three). A loss scale inside must see the overflow.
-  feed = updates if loss_scaled else _scaling.zero_unless(~skip, updates)
+  feed = updates if loss_scaled else scaling.zero_unless(~skip, updates)
   return (skip, stats, *run(feed, measured.known(feed)))
 
 
@@ -171,12 +174,12 @@ def _init(fn: str, inner: optax.GradientTransformation, params: PyTree, *,
           update: bool) -> SkipState:
   """The state before the first step (``skip_step``'s ``init``)."""
   inner_state = inner.init(params)
-  _placement.check_placement(inner_state, f"{fn}(inner=...).init",
-                              "inner_state")
-  dtype = _running_stats.statistics_dtype(params)
+  placement.check_placement(inner_state, f"{fn}(inner=...).init",
+                             "inner_state")
+  dtype = running.statistics_dtype(params)
   kept = (None, None)
   if leaf_norms:
-    kept = _leaf_stats.zeros(fn, params, _core.layers(layer_axis), dtype)
+    kept = leaf_stats.zeros(fn, params, _core.layers(layer_axis), dtype)
   return SkipState(stats=SkipStats.fresh(dtype, *kept, window=window,
                                          update=update),
                    inner_state=inner_state)
@@ -270,12 +273,12 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
                              layers if leaf_norms else _core.TOTAL,
                              given=None if leaf_norms else grad_norm)
     dtype = state.stats.norm.dtype  # the statistics' (see init), every step
-    loss_scales = _placement.find_loss_scale_states(state.inner_state)
+    loss_scales = placement.find_loss_scale_states(state.inner_state)
     scale = loss_scales[0].scale if loss_scales else None
 
     def unscale(n):  # the input is scaled: judge the unscaled
-      return _running_stats.to_statistics(n if scale is None else n / scale,
-                                          dtype)
+      return running.to_statistics(n if scale is None else n / scale,
+                                   dtype)
 
     if loss is not None:
       extra_args = {**extra_args, "loss": loss}  # inner's too, as given
@@ -287,10 +290,10 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
         extra_args, update_where=where if update_norm else None,
         loss_scaled=bool(loss_scales), dtype=dtype)
     if leaf_norms:
-      norms, stacks = _leaf_stats.measured(measured, measured.total.dtype)
+      norms, stacks = leaf_stats.measured(measured, measured.total.dtype)
       new_stats = new_stats._replace(leaf_norms=jax.tree.map(unscale, norms),
                                      stack_norms=jax.tree.map(unscale, stacks))
-    new_updates = _scaling.zero_unless(~skip, new_updates)
+    new_updates = scaling.zero_unless(~skip, new_updates)
     new_inner = _keep_unless_loss_scale(skip, new_inner, state.inner_state)
     return new_updates, SkipState(stats=new_stats, inner_state=new_inner)
 

@@ -1,7 +1,7 @@
 """``ClipState``: what a norm-based clipper keeps after each step.
 
 The pre-clip norm, the factor applied and the step counters
-(``_counters``), and with ``leaf_norms=True`` every leaf's norm; read by
+(``_stats.counters``), and with ``leaf_norms=True`` every leaf's norm; read by
 ``optaxclip.stats`` as ``clip/...``.
 """
 
@@ -10,8 +10,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from optaxclip import _core, _counters, _leaf_stats, _running_stats, _stats
-from optaxclip._counters import Counter
+from optaxclip import _core
+from optaxclip._stats import counters, leaf_stats, registry, running
+from optaxclip._stats.counters import Counter
 from optaxclip._types import PyTree
 
 
@@ -53,34 +54,34 @@ class ClipState(NamedTuple):
     dtype = self.norm.dtype
     norms = stacks = None
     if measured is not None:
-      norms, stacks = _leaf_stats.measured(measured, dtype)
+      norms, stacks = leaf_stats.measured(measured, dtype)
     return ClipState(norm=norm.astype(dtype), scale=factor.astype(dtype),
-                     **_counters.step_counts(self, finite=finite,
-                                             clipped=factor < 1),
+                     **counters.step_counts(self, finite=finite,
+                                            clipped=factor < 1),
                      leaf_norms=norms, stack_norms=stacks)
 
   @classmethod
   def fresh(cls, dtype: jax.typing.DTypeLike, *kept: PyTree) -> "ClipState":
     """The state before the first step, its floats in ``dtype``; ``kept``:
-    the leaf norms and stack norms it starts with (``_leaf_stats.zeros``)."""
+    the leaf norms and stack norms it starts with (``leaf_stats.zeros``)."""
     leaf_norms, stack_norms = kept or (None, None)
     return cls(norm=jnp.zeros([], dtype), scale=jnp.ones([], dtype),
-               count=_counters.zero(), clipped_count=_counters.zero(),
-               nonfinite_count=_counters.zero(), leaf_norms=leaf_norms,
+               count=counters.zero(), clipped_count=counters.zero(),
+               nonfinite_count=counters.zero(), leaf_norms=leaf_norms,
                stack_norms=stack_norms)
 
 
-_stats.register(ClipState, "clip", hide=("leaf_norms", "stack_norms"),
-                extras=lambda state: {
-                    "clip_rate": _counters.clip_rate(state),
-                    **_leaf_stats.entries(state.leaf_norms, state.stack_norms)})
+registry.register(ClipState, "clip", hide=("leaf_norms", "stack_norms"),
+                  extras=lambda state: {
+                      "clip_rate": counters.clip_rate(state),
+                      **leaf_stats.entries(state.leaf_norms, state.stack_norms)})
 
 
 def init_clip_state(fn: str, params: PyTree = None, *,
                     kept: _core.Kept | None = None) -> ClipState:
   """A fresh ``ClipState``, its floats in the statistics dtype of ``params``
   (with ``kept``, zero leaf norms of its shapes)."""
-  dtype = _running_stats.statistics_dtype(params)
+  dtype = running.statistics_dtype(params)
   if kept is None:
     return ClipState.fresh(dtype)
-  return ClipState.fresh(dtype, *_leaf_stats.zeros(fn, params, kept, dtype))
+  return ClipState.fresh(dtype, *leaf_stats.zeros(fn, params, kept, dtype))

@@ -18,17 +18,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxclip import (
-  _core,
-  _leaf_stats,
-  _nonfinite,
-  _running_stats,
-  _scaling,
-  _stats,
-  _tree,
-  _validation,
-)
-from optaxclip._clip_state import ClipState
+from optaxclip import _core, _tree, _validation
+from optaxclip._clip import on_nonfinite, scaling
+from optaxclip._clip.state import ClipState
+from optaxclip._stats import leaf_stats, registry, running
 from optaxclip._types import NonFinite, PyTree
 
 # A tree prefix of labels, or a callable from the gradients to one.
@@ -120,11 +113,11 @@ class GroupClipState(NamedTuple):
 def _group_stats(state: GroupClipState) -> dict[str, jax.Array]:
   entries = {f"{label}/{key}": value
              for label, group in state.groups.items()
-             for key, value in _stats.summary(group).items()}
-  return {**entries, **_leaf_stats.entries(state.leaf_norms, state.stack_norms)}
+             for key, value in registry.summary(group).items()}
+  return {**entries, **leaf_stats.entries(state.leaf_norms, state.stack_norms)}
 
 
-_stats.register(GroupClipState, "clip", _group_stats)
+registry.register(GroupClipState, "clip", _group_stats)
 
 
 def _checked_labels(fn: str, updates: PyTree, groups: Labels,
@@ -143,18 +136,18 @@ def group_clipper(fn: str, max_norm, p, eps, where: _core.Where,
                   layer_axis: PyTree) -> optax.GradientTransformation:
   """``clip_by_global_norm`` with ``groups``: each clipped by its own norm,
   all from one pass over the gradients and one all-reduce."""
-  _validation.check_choice(fn, "nonfinite", nonfinite, _nonfinite.MODES)
+  _validation.check_choice(fn, "nonfinite", nonfinite, on_nonfinite.MODES)
   _validation.check_bool(fn, "leaf_norms", leaf_norms)
   layers = _core.layers(_validation.check_layer_axis(fn, layer_axis))
   groups = check_labels(fn, groups)
 
   def init_fn(params):
-    dtype = _running_stats.statistics_dtype(params)
+    dtype = running.statistics_dtype(params)
     labels = dict.fromkeys(leaf_labels(fn, params, groups))
     for label in labels:
       limit_of(fn, max_norm, label)
     _core.unit_shapes(fn, params, layers)  # a layer axis that fits, or an error
-    kept = _leaf_stats.zeros(fn, params, layers, dtype) if leaf_norms else ()
+    kept = leaf_stats.zeros(fn, params, layers, dtype) if leaf_norms else ()
     return GroupClipState({label: ClipState.fresh(dtype) for label in labels},
                           *kept)
 
@@ -168,13 +161,13 @@ def group_clipper(fn: str, max_norm, p, eps, where: _core.Where,
     # From every device's layers: the same group norms on each device.
     norms = group_norms(labels, measured.per_leaf(), p)
     finite = {label: jnp.isfinite(norm) for label, norm in norms.items()}
-    factors = dict(zip(norms, _nonfinite.guard(
+    factors = dict(zip(norms, on_nonfinite.guard(
         nonfinite, fn, updates,
         jnp.max(jnp.stack(list(norms.values()))) if norms else jnp.zeros([]),
-        [_scaling.clip_factor(norm, limit_of(fn, max_norm, label), eps)
+        [scaling.clip_factor(norm, limit_of(fn, max_norm, label), eps)
          for label, norm in norms.items()], list(finite.values()))))
-    clipped = _nonfinite.zeroed(
-        nonfinite, _scaling.scale_leaves(updates, [factors[label] for label in labels]),
+    clipped = on_nonfinite.zeroed(
+        nonfinite, scaling.scale_leaves(updates, [factors[label] for label in labels]),
         [finite[label] for label in labels])
     new_groups = {label: old.after(norms[label], factors[label],
                                    finite=finite[label])
@@ -182,7 +175,7 @@ def group_clipper(fn: str, max_norm, p, eps, where: _core.Where,
     kept = ()
     if leaf_norms:  # the state's dtype (no group at all: an empty tree)
       dtype = next((g.norm.dtype for g in state.groups.values()), jnp.float32)
-      kept = _leaf_stats.measured(measured, dtype)
+      kept = leaf_stats.measured(measured, dtype)
     return clipped, GroupClipState(new_groups, *kept)
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -2,7 +2,7 @@
 
 ``step(stats, norm, loss=...) -> (skip, new_stats)`` takes the whole
 decision of a step: each guarded value (the gradients' norm, the loss) is
-judged by its own statistics (``_spike_stats``), the step is skipped when
+judged by its own statistics (``_stats.spikes``), the step is skipped when
 any guard says so, and the statistics are fed afterwards. At most
 ``max_consecutive_skips`` finite steps are skipped in a row: after that,
 the guards' spikes are let through (released) and fed in full until a
@@ -16,9 +16,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from optaxclip import _counters, _leaf_stats, _running_stats, _spike_stats, _stats
-from optaxclip._counters import Counter
-from optaxclip._spike_stats import Running
+from optaxclip._stats import counters, leaf_stats, registry, running, spikes
+from optaxclip._stats.counters import Counter
+from optaxclip._stats.spikes import Running
 from optaxclip._types import Scalar
 
 PyTree = Any
@@ -67,7 +67,7 @@ class SkipStats(NamedTuple):
     skipped_by_update: bool ``[]``: the last step was rolled back by its
       update norm (NaN/Inf or ``update_zscore``); None when not measured.
     skip_streak: int32 ``[]``: finite steps in a row the guards would skip.
-    norm_stats: the ``_spike_stats.Running`` statistics of the norms (EMA:
+    norm_stats: the ``spikes.Running`` statistics of the norms (EMA:
       the accepted ones; window: the last ``window``).
     loss_stats: the same for the finite losses.
     update_stats: the same for the finite update norms (None when not
@@ -116,8 +116,8 @@ class SkipStats(NamedTuple):
     """The statistics before the first step, their floats in ``dtype``;
     windows of ``window`` values, or EMAs (None); the update norm's fields
     with ``update``, else None."""
-    zero = _counters.zero
-    running = lambda: Running.fresh(dtype, window)  # noqa: E731
+    zero = counters.zero
+    empty = lambda: Running.fresh(dtype, window)  # noqa: E731
     return cls(norm=jnp.zeros([], dtype), count=zero(), skipped_count=zero(),
                forced_count=zero(), nonfinite_count=zero(),
                max_norm_count=zero(), zscore_count=zero(),
@@ -128,8 +128,8 @@ class SkipStats(NamedTuple):
                update_norm=jnp.zeros([], dtype) if update else None,
                update_zscore_count=zero() if update else None,
                skipped_by_update=jnp.zeros([], bool) if update else None,
-               skip_streak=zero(), norm_stats=running(), loss_stats=running(),
-               update_stats=running() if update else None,
+               skip_streak=zero(), norm_stats=empty(), loss_stats=empty(),
+               update_stats=empty() if update else None,
                leaf_norms=leaf_norms, stack_norms=stack_norms)
 
 
@@ -137,22 +137,22 @@ def _extras(stats: SkipStats) -> dict[str, jax.Array]:
   rate = stats.skipped_count / jnp.maximum(stats.count, 1)
   return {"ema_count": stats.ema_count, "norm_mean": stats.norm_mean,
           "norm_var": stats.norm_var,
-          "norm_std": _running_stats.safe_sqrt(stats.norm_var),
+          "norm_std": running.safe_sqrt(stats.norm_var),
           "loss_ema_count": stats.loss_ema_count,
           "loss_mean": stats.loss_mean, "loss_var": stats.loss_var,
-          "loss_std": _running_stats.safe_sqrt(stats.loss_var),
+          "loss_std": running.safe_sqrt(stats.loss_var),
           **({} if stats.update_stats is None else {
               "update_mean": stats.update_stats.mean,
-              "update_std": _running_stats.safe_sqrt(stats.update_stats.var)}),
+              "update_std": running.safe_sqrt(stats.update_stats.var)}),
           "skip_rate": rate.astype(jnp.float32),
-          **_leaf_stats.entries(stats.leaf_norms, stats.stack_norms)}
+          **leaf_stats.entries(stats.leaf_norms, stats.stack_norms)}
 
 
 # The streak is bookkeeping; the statistics are reported flat (extras).
-_stats.register(SkipStats, "skip",
-                hide=("skip_streak", "norm_stats", "loss_stats",
-                      "update_stats", "leaf_norms", "stack_norms"),
-                extras=_extras, clips=False)
+registry.register(SkipStats, "skip",
+                  hide=("skip_streak", "norm_stats", "loss_stats",
+                        "update_stats", "leaf_norms", "stack_norms"),
+                  extras=_extras, clips=False)
 
 
 def _released(streak: jax.Array, would_skip: jax.Array,
@@ -167,18 +167,18 @@ def _released(streak: jax.Array, would_skip: jax.Array,
 class _Guard(NamedTuple):
   """One guarded value's part of a step (see ``step``)."""
   value: jax.Array
-  judged: _spike_stats.Verdict
+  judged: spikes.Verdict
   skips: jax.Array  # the value's own reasons to skip the step
   finite: jax.Array  # whether it counts as finite for the streak
 
 
-def _guard(running: Running, value: jax.Array, threshold: Scalar | None, *,
+def _guard(history: Running, value: jax.Array, threshold: Scalar | None, *,
            warmup_steps: Scalar, two_sided: bool, signed: bool = False
            ) -> _Guard:
   """The verdict on ``value``; a NaN/Inf skips when ``threshold`` is set."""
-  judged = _spike_stats.verdict(running, value, zscore=threshold,
-                                warmup_steps=warmup_steps,
-                                two_sided=two_sided, signed=signed)
+  judged = spikes.verdict(history, value, zscore=threshold,
+                          warmup_steps=warmup_steps,
+                          two_sided=two_sided, signed=signed)
   finite = jnp.isfinite(value)
   skips = judged.spike | (~finite if threshold is not None else False)
   return _Guard(value, judged, skips,
@@ -191,7 +191,7 @@ def _judge(stats: SkipStats, norm: jax.Array, loss: jax.Array | None,
            warmup_steps: Scalar | None, two_sided: bool) -> dict[str, _Guard]:
   """Each given value's verdict, by name ("norm", "loss", "update")."""
   if warmup_steps is None:
-    warmup_steps = _spike_stats.default_warmup(stats.norm_stats)
+    warmup_steps = spikes.default_warmup(stats.norm_stats)
   common = {"warmup_steps": warmup_steps, "two_sided": two_sided}
   guards = {"norm": _guard(stats.norm_stats, norm, zscore, **common)}
   if loss is not None:
@@ -234,13 +234,13 @@ def step(stats: SkipStats, norm: jax.Array, *, nonfinite: bool,
   release = all_finite & _released(stats.skip_streak, would_skip,
                                    max_consecutive_skips)
   skip = would_skip & ~release
-  count_if = _counters.count_if
-  fed = {k: _spike_stats.feed(
-      getattr(stats, f"{k}_stats"), g.value, g.judged,
+  count_if = counters.count_if
+  fed = {k: spikes.feed(
+      getattr(stats, f"{k}_stats.registry"), g.value, g.judged,
       accepted=finite & ~skip & jnp.isfinite(g.value), release=release,
       decay=ema_decay, signed=k == "loss") for k, g in guards.items()}
   new = stats._replace(
-      norm=norm, count=_counters.increment(stats.count),
+      norm=norm, count=counters.increment(stats.count),
       skipped_count=count_if(skip, stats.skipped_count),
       forced_count=count_if(release, stats.forced_count),
       nonfinite_count=count_if(~finite, stats.nonfinite_count),

@@ -21,7 +21,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from optaxclip import _core, _stats, _validation
+from optaxclip import _core, _validation
+from optaxclip._stats import registry
 from optaxclip._types import AxisName, Ord, Scalar
 
 PyTree = Any
@@ -42,7 +43,7 @@ class MicrobatchGuardState(NamedTuple):
   skipped: jax.Array
 
 
-_stats.register(MicrobatchGuardState, "microbatch", clips=False)
+registry.register(MicrobatchGuardState, "microbatch", clips=False)
 
 ShouldSkip = Callable[[PyTree, jax.Array, PyTree],
                       tuple[jax.Array, MicrobatchGuardState]]

@@ -22,7 +22,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from optaxclip import _core, _scaling, _tree, _validation
+from optaxclip import _core, _tree, _validation
+from optaxclip._clip import scaling
 from optaxclip._types import AxisName, Ord, PyTree, Scalar
 
 
@@ -68,7 +69,7 @@ def _factors(norms: jax.Array, max_norm: Any) -> jax.Array:
   As optax (``nan_to_num(min(c / norm, 1), nan=1)``): its NaN then reaches
   the sum, where it belongs. ``c = norm = 0`` and ``c = norm = inf`` give 1.
   """
-  factors = _scaling.clip_factor(norms, max_norm, 0.0)
+  factors = scaling.clip_factor(norms, max_norm, 0.0)
   return jnp.where(jnp.isnan(factors), jnp.ones_like(factors), factors)
 
 

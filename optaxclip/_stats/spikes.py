@@ -6,7 +6,7 @@ skipped for its loss must not feed the norm's EMA). So each mode has a
 verdict and a feed, and ``verdict``/``feed`` dispatch on the statistics:
 
 - EMA mode (``window`` None): ``ema_verdict`` / ``ema_feed``: exponential
-  moving averages of the accepted values, winsorized (``_running_stats``);
+  moving averages of the accepted values, winsorized (``_stats.running``);
 - window mode: ``window_verdict`` / ``window_feed``: the plain mean and
   Bessel standard deviation of the last ``N`` finite values, skipped ones
   included (OLMo-core's and MaxText's rule), ``N`` floats of state.
@@ -22,7 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from optaxclip import _counters, _running_stats
+from optaxclip._stats import counters, running
 from optaxclip._types import Scalar
 
 
@@ -50,7 +50,7 @@ class Running(NamedTuple):
     """The statistics before the first value, their floats in ``dtype``;
     a ``window`` of that many values, or EMAs (None)."""
     return cls(mean=jnp.zeros([], dtype), var=jnp.zeros([], dtype),
-               count=_counters.zero(), streak=_counters.zero(),
+               count=counters.zero(), streak=counters.zero(),
                window=None if window is None else jnp.zeros([window], dtype))
 
 
@@ -76,7 +76,7 @@ def zscore_of(stats: Running, value: jax.Array, active: jax.Array
               ) -> jax.Array:
   """``(value - mean) / std``; 0 while not ``active`` for a finite value,
   +-inf above or below a zero ``std`` (a constant history)."""
-  std = _running_stats.safe_sqrt(stats.var)
+  std = running.safe_sqrt(stats.var)
   deviation = value - stats.mean
   positive = std > 0
   z = jnp.where(positive, deviation / jnp.where(positive, std, 1),
@@ -95,16 +95,16 @@ def is_spike(stats: Running, value: jax.Array, zscore: Scalar | None,
     deviation = jnp.abs(deviation)
   # A product, not z: at zscore=inf nothing is a spike (inf * 0 is NaN).
   limit = (jnp.asarray(zscore, value.dtype) *
-           _running_stats.safe_sqrt(stats.var))
+           running.safe_sqrt(stats.var))
   return jnp.isfinite(value) & active & (deviation > limit)
 
 
 def _capped(stats: Running, value: jax.Array, signed: bool) -> jax.Array:
-  """``value`` as the EMA takes it in (winsorized, ``_running_stats``)."""
+  """``value`` as the EMA takes it in (winsorized, ``_stats.running``)."""
   if signed:
-    return _running_stats.capped_signed(
-        value, stats.mean, _running_stats.safe_sqrt(stats.var))
-  return _running_stats.capped(value, stats.mean)
+    return running.capped_signed(
+        value, stats.mean, running.safe_sqrt(stats.var))
+  return running.capped(value, stats.mean)
 
 
 def ema_verdict(stats: Running, value: jax.Array, *, zscore: Scalar | None,
@@ -122,10 +122,10 @@ def ema_verdict(stats: Running, value: jax.Array, *, zscore: Scalar | None,
   start = jnp.maximum(warmup_steps, 1)
   active = stats.count >= start
   spike = is_spike(stats, value, zscore, active, two_sided)
-  young = stats.count < start + _running_stats.RESTART_AFTER
+  young = stats.count < start + running.RESTART_AFTER
   beyond = _capped(stats, value, signed) != value
   disagrees = jnp.isfinite(value) & young & (beyond | spike)
-  restart = disagrees & (stats.streak + 1 >= _running_stats.RESTART_AFTER)
+  restart = disagrees & (stats.streak + 1 >= running.RESTART_AFTER)
   return Verdict(spike=spike & ~restart, restart=restart, disagrees=disagrees,
                  z=zscore_of(stats, value, active))
 
@@ -136,26 +136,26 @@ def ema_feed(stats: Running, value: jax.Array, verdict: Verdict, *,
   """The EMA statistics after a step with ``value`` and its ``verdict``.
 
   An ``accepted`` value feeds the bias-corrected EMA
-  (``_running_stats.bias_corrected_decay``): winsorized, or in full when
+  (``running.bias_corrected_decay``): winsorized, or in full when
   it is a spike let through by ``release`` (a lasting level, see
   ``skip_step``). ``RESTART_AFTER`` accepted values in a row far below the
   mean (or, ``signed``, tiny against their distance to it), or young
   statistics' disagreements, start the statistics again from the last.
   """
-  d = _running_stats.bias_corrected_decay(
+  d = running.bias_corrected_decay(
       jnp.asarray(decay, stats.mean.dtype), stats.count)
   fed = jnp.where(release & verdict.spike, value,
                   _capped(stats, value, signed))
-  mean, var = _running_stats.ema(stats.mean, stats.var, fed, d)
-  below = (_running_stats.far_from(value, stats.mean) if signed
-           else _running_stats.far_below(value, stats.mean))
-  streak, restart = _running_stats.streak_of(
+  mean, var = running.ema(stats.mean, stats.var, fed, d)
+  below = (running.far_from(value, stats.mean) if signed
+           else running.far_below(value, stats.mean))
+  streak, restart = running.streak_of(
       stats.streak, verdict.disagrees | (accepted & below),
       accepted | verdict.disagrees)
   return stats._replace(
       mean=jnp.where(restart, value, jnp.where(accepted, mean, stats.mean)),
       var=jnp.where(restart, 0, jnp.where(accepted, var, stats.var)),
-      count=jnp.where(restart, 1, _counters.count_if(accepted, stats.count)),
+      count=jnp.where(restart, 1, counters.count_if(accepted, stats.count)),
       streak=streak)
 
 
@@ -177,7 +177,7 @@ def window_moments(window: jax.Array, count: jax.Array
   mean = jnp.sum(scaled) / jnp.maximum(n, 1)
   var = (jnp.sum(jnp.where(valid, jnp.square(scaled - mean), 0)) /
          jnp.maximum(n - 1, 1))
-  return mean * scale, _running_stats.saturate(var * scale * scale)
+  return mean * scale, running.saturate(var * scale * scale)
 
 
 def window_verdict(stats: Running, value: jax.Array, *,

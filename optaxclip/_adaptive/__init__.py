@@ -1,0 +1,1 @@
+"""The adaptive clippers: thresholds that learn from the norms seen so far."""

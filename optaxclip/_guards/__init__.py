@@ -1,0 +1,1 @@
+"""The step guards: skipping whole steps, dynamic loss scaling, micro-batch guards."""
