@@ -20,11 +20,13 @@ demo: install-demo
 	$(PY) examples/demo.py
 
 # One pytest worker per core (pytest-xdist): the tests mostly compile XLA
-# programs, each on one thread.
+# programs, each on one thread. The numerics tests run once more through the
+# GPU/TPU norm kernel (OPTAXCLIP_KERNEL=one_pass: docs/design.md, Platforms).
 test: install-test
 	$(PY) -m ruff check optaxclip tests benchmarks examples
 	$(VENV)/bin/pyright
 	$(PY) -m pytest -q -n auto
+	OPTAXCLIP_KERNEL=one_pass $(PY) -m pytest -q -n auto -p no:doctest tests/test_global_norm.py
 
 docs: install-test
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict

@@ -21,6 +21,10 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, NamedSharding
 
+# Whether this run sends every norm through the GPU/TPU kernel on the CPU
+# (``make test`` runs the numerics tests once more that way).
+ONE_PASS = os.environ.get("OPTAXCLIP_KERNEL") == "one_pass"
+
 # --------------------------------------------------------------------------
 # float64 references
 

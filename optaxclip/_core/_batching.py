@@ -98,6 +98,22 @@ def _plan(leaves: Sequence[jax.Array], keep: Sequence[Keep], *,
           for start in range(0, len(all_rows), GROUP_SIZE)]
 
 
+def _flat(reduced: jax.Array) -> jax.Array:
+  if reduced.ndim > 1:  # an Explicit mesh may not flatten split axes
+    reduced = gathered(reduced)
+  return reduced.reshape(-1)
+
+
+def _in_order(pieces: list[jax.Array], order: np.ndarray) -> jax.Array:
+  """The groups' unit vectors as one, in unit order."""
+  if len({layout_spec(piece) for piece in pieces}) > 1:
+    pieces = [gathered(piece) for piece in pieces]
+  vector = jnp.concatenate(pieces)
+  if not np.array_equal(order, np.arange(order.size)):
+    vector = _take(vector, np.argsort(order))
+  return vector
+
+
 class Grouped:
   """``leaves`` in groups; each leaf's units are its ``keep`` axes' entries.
 
@@ -146,26 +162,22 @@ class Grouped:
             for group, twin in zip(self.groups, twins)]
 
   def per_unit(self, groups: Sequence[Group],
-               elementwise: Callable[[Any, Group], jax.Array],
-               reduce: Callable[..., jax.Array]) -> jax.Array:
+               elementwise: Callable[[Any, Group], Any],
+               reduce: Callable[..., Any]) -> Any:
     """``reduce(elementwise(values, group))`` over each unit: a vector in
-    unit order (leaf by leaf, each leaf's kept entries in C order)."""
+    unit order (leaf by leaf, each leaf's kept entries in C order), or a
+    tuple of them where ``reduce`` returns a tuple."""
     pieces, order = [], []
+    several = False
     for group in groups:
       assert group.units is not None, "per unit needs unmerged groups"
-      values = elementwise(group.values, group)
-      reduced = reduce(values, axis=group.reduced)
-      if reduced.ndim > 1:  # an Explicit mesh may not flatten split axes
-        reduced = gathered(reduced)
-      pieces.append(reduced.reshape(-1))
+      reduced = reduce(elementwise(group.values, group), axis=group.reduced)
+      several = isinstance(reduced, tuple)
+      pieces.append([_flat(r) for r in (reduced if several else (reduced,))])
       order.append(group.units.reshape(-1))
-    if len({layout_spec(piece) for piece in pieces}) > 1:
-      pieces = [gathered(piece) for piece in pieces]
-    vector = jnp.concatenate(pieces)
     order = np.concatenate(order)
-    if not np.array_equal(order, np.arange(order.size)):
-      vector = _take(vector, np.argsort(order))
-    return vector
+    vectors = tuple(_in_order(list(column), order) for column in zip(*pieces))
+    return vectors if several else vectors[0]
 
   def unit_shapes(self, leaves: Sequence[jax.Array], *, keepdims: bool
                   ) -> list[tuple[int, ...]]:
@@ -202,6 +214,53 @@ def reduce(grouped: Grouped, elementwise: Callable[[Any, Group], jax.Array],
   if not total:
     return partials
   return jnp.max(partials) if maximum else jnp.sum(partials)
+
+
+def _sums(values: tuple[jax.Array, ...], axis) -> tuple[jax.Array, ...]:
+  return tuple(jnp.sum(v, axis=axis) for v in values)
+
+
+def _added(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]):
+  return tuple(x + y for x, y in zip(a, b))
+
+
+def reduce_many(grouped: Grouped, elementwise: Callable[[Any, Group], tuple],
+                reduction: Reduction, *, total: bool,
+                reducer: Callable[..., tuple] = _sums,
+                combine: Callable[[tuple, tuple], tuple] = _added,
+                across: Callable[..., tuple] | None = None) -> tuple:
+  """``reduce`` for an ``elementwise`` that gives several arrays (sums of
+  each, or ``reducer``/``combine`` of them together, as a variadic
+  reduction): each group is read once for all of them, and they cross the
+  devices together (``across(*partials, sizes)``; by default one
+  all-reduce of the sums side by side)."""
+  groups = grouped.groups
+  if across is None:
+    across = functools.partial(_sums_across, reduction)
+  if total and reduction.replicated_axes is None:
+    results = []
+    for group in groups:
+      out = elementwise(group.values, group)
+      results.append(reducer(out, axis=tuple(range(out[0].ndim))))
+    return across(*functools.reduce(combine, results), ())
+  partials = across(*grouped.per_unit(groups, elementwise, reducer),
+                    grouped.sizes)
+  return reducer(partials, axis=(0,)) if total else partials
+
+
+def _sums_across(reduction: Reduction, *partials: jax.Array
+                 ) -> tuple[jax.Array, ...]:
+  """Sums over devices of several partials (the last argument: the unit
+  sizes), with one all-reduce."""
+  *partials, sizes = partials
+  if not reduction.axis_names:
+    return tuple(partials)
+  k = len(partials)
+  if not sizes:
+    return tuple(reduction.sum(jnp.stack(partials)))
+  combined = reduction.repeated(k).sum(jnp.concatenate(partials),
+                                       tuple(sizes) * k)
+  return tuple(jnp.split(combined, k))
 
 
 def example_rows(leaves: Sequence[jax.Array]) -> list[jax.Array]:

@@ -12,6 +12,7 @@ formula of ``_tangents`` (a custom JVP), not the computation.
 
 import functools
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -24,8 +25,47 @@ from jax.custom_derivatives import SymbolicZero
 from optaxclip import _tree
 from optaxclip._core._batching import Grouped
 from optaxclip._core._mesh import LOCAL, Keep, Reduction
-from optaxclip._core._sums import norms_of
+from optaxclip._core._one_pass import norms_one_pass
+from optaxclip._core._sums import is_order, norms_of, rescue_enabled
 from optaxclip._core._tangents import norm_tangents
+
+KERNELS = ("auto", "rescue", "one_pass")
+
+
+def kernel() -> str:
+  """Which norm kernel runs: ``OPTAXCLIP_KERNEL`` in the environment.
+
+  ``auto`` (the default) picks by the platform the program is lowered for:
+  the rescue (``_sums``: plain sums, and a ``lax.cond`` that redoes them
+  only when they overflowed or underflowed) on the CPU, where the branch not
+  taken costs nothing; the one-pass kernel (``_one_pass``) on GPU and TPU,
+  where XLA would turn that ``lax.cond`` into a select that runs both
+  sides. ``rescue`` or ``one_pass`` runs that kernel everywhere: the tests
+  run their numbers through the GPU/TPU kernel on the CPU this way. Read
+  each time a norm is called (a compiled norm is kept per kernel; a
+  program the user compiled keeps the kernel it was traced with).
+  """
+  choice = os.environ.get("OPTAXCLIP_KERNEL", "auto")
+  if choice not in KERNELS:
+    raise ValueError(f"OPTAXCLIP_KERNEL must be one of {KERNELS}, got {choice!r}")
+  return choice
+
+
+def _norms_by_platform(grouped: Grouped, p, acc, reduction: Reduction,
+                       choice: str, *, total: bool, divisor=None
+                       ) -> jax.Array:
+  """The norms from the kernel ``choice`` names (``kernel()``): the same
+  numbers within the accuracy contract, each the same on every platform."""
+  args = (grouped, p, acc, reduction)
+  rescue = functools.partial(norms_of, *args, total=total, divisor=divisor)
+  one_pass = functools.partial(norms_one_pass, *args, total=total,
+                               divisor=divisor)
+  if is_order(p, math.inf) or not rescue_enabled() or choice == "rescue":
+    return rescue()  # a maximum (or the plain sums) needs no rescue
+  if choice == "one_pass":
+    return one_pass()
+  # Lowered for one platform, only its branch is in the program.
+  return lax.platform_dependent(cpu=rescue, default=one_pass)
 
 
 def _roots_of_sizes(leaves, keep, reduction: Reduction, acc) -> np.ndarray:
@@ -42,7 +82,8 @@ def _roots_of_sizes(leaves, keep, reduction: Reduction, acc) -> np.ndarray:
 
 
 def _p_norms(leaves, p, reduction: Reduction, keep: tuple[Keep, ...] | None,
-             *, total: bool, rms: bool = False) -> jax.Array:
+             choice: str = "auto", *, total: bool, rms: bool = False
+             ) -> jax.Array:
   """The ``p``-norm of each unit (a vector in the accumulation dtype, in
   unit order: see ``Grouped``) or, with ``total``, of all leaves together
   (a scalar), differentiable by formula; with ``rms``, each unit's 2-norm
@@ -72,8 +113,8 @@ def _p_norms(leaves, p, reduction: Reduction, keep: tuple[Keep, ...] | None,
 
   @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
   def static(leaves, p):
-    return norms_of(grouped(leaves), p, acc, reduction, total=total,
-                    divisor=roots)
+    return _norms_by_platform(grouped(leaves), p, acc, reduction, choice,
+                              total=total, divisor=roots)
 
   @static.defjvp
   def static_jvp(p, primals, dots):
@@ -83,7 +124,8 @@ def _p_norms(leaves, p, reduction: Reduction, keep: tuple[Keep, ...] | None,
 
   @jax.custom_jvp
   def traced(leaves, p):
-    return norms_of(grouped(leaves), p, acc, reduction, total=total)
+    return _norms_by_platform(grouped(leaves), p, acc, reduction, choice,
+                              total=total)
 
   def traced_jvp(primals, dots):
     (leaves, p), (dots, dp) = primals, dots
@@ -113,18 +155,19 @@ def _switch_on_order(norm_fn, p: jax.Array) -> jax.Array:
 
 def _by_order(total: bool, rms: bool = False) -> Callable[..., jax.Array]:
   """``_p_norms(leaves, p, reduction, keep)``, compiled once per tree
-  structure, order, reduction and kept axes; a traced order dispatches
-  with ``lax.switch``."""
+  structure, order, reduction, kept axes and kernel; a traced order
+  dispatches with ``lax.switch``."""
   norm_fn = functools.partial(_p_norms, total=total, rms=rms)
-  compiled = jax.jit(norm_fn, static_argnums=(1, 2, 3))
+  compiled = jax.jit(norm_fn, static_argnums=(1, 2, 3, 4))
 
   def call(leaves: list[jax.Array], p: Any, reduction: Reduction = LOCAL,
            keep: tuple[Keep, ...] | None = None) -> jax.Array:
+    choice = kernel()
     if not isinstance(p, jax.Array):
-      return compiled(leaves, p, reduction, keep)
+      return compiled(leaves, p, reduction, keep, choice)
     return _switch_on_order(
         lambda q: (norm_fn if isinstance(q, jax.Array) else compiled)(
-            leaves, q, reduction, keep), p)
+            leaves, q, reduction, keep, choice), p)
 
   return call
 

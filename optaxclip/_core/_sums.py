@@ -197,7 +197,7 @@ def _exact_maxima(grouped, acc, reduction: Reduction, *, total: bool
 _SCALED_ORDER_LIMIT = 64
 
 
-def _rescued_roots(grouped, p, acc, reduction, sums, floor, divisor, *,
+def rescued_roots(grouped, p, acc, reduction, sums, floor, divisor, *,
                    total: bool) -> jax.Array:
   """Norms from power sums of ``|x| / 2**k``, ``2**k`` just above the
   largest ``|x|`` (per unit, or for all units with ``total``).
@@ -259,7 +259,7 @@ def norms_of(grouped: Grouped, p, acc, reduction: Reduction, *,
     needed = ~((sums >= floor) & (sums < jnp.inf))
   fixed = is_order(p, 2) or is_order(p, 1)
   rescued = functools.partial(
-      _rescued_by_fixed_scale if fixed else _rescued_roots,
+      _rescued_by_fixed_scale if fixed else rescued_roots,
       grouped, p, acc, reduction, sums, floor,
       jnp.ones([], acc) if divisor is None else divisor, total=total)
   return lax.cond(any_in_batch(needed), rescued, plain)

@@ -1,0 +1,255 @@
+"""Norms that read each entry once and hold no conditional: the GPU/TPU kernel.
+
+XLA:GPU turns a two-branch conditional made of cheap instructions (and
+reductions count as cheap) into a ``select`` that runs both branches on
+every step, so ``_sums``' rescue would read the gradients twice there
+(H100: 2.00 passes for the norm, docs/design.md). Here overflow and
+underflow safety live inside the one pass instead:
+
+- ``p = 2``: Blue's three accumulators, as LAPACK 3.10's ``nrm2`` (Anderson
+  2017, "Algorithm 978: Safe Scaling in the Level 1 BLAS"): entries below
+  ``2**-63`` are summed scaled up by ``2**86``, above ``2**32`` scaled down
+  by ``2**-76``, the rest as they are. Three masked sums of one input are
+  sibling reductions, which XLA:GPU fuses into one read; across devices
+  they travel in one all-reduce.
+- ``p = 1``: two accumulators (entries below ``2**-100`` scaled up by
+  ``2**100``); a sum of ``|x|`` overflows only when the norm does.
+- other orders up to ``_PAIR_ORDER_LIMIT``: one variadic reduction of
+  pairs ``(exponent, sum of (|x| / 2**exponent)**p)``, the exponent the
+  largest ``frexp`` exponent seen (across devices: a max, then a sum).
+- higher orders: the largest ``|x|``, then the powers divided by it (two
+  reads, no conditional): orders that high are a curiosity.
+
+Subnormal entries are read from their bits (``_exact``) and subnormal norms
+written from them, so the numbers are the same on hardware that flushes
+subnormals (XLA:CPU, TPU) as on hardware that keeps them.
+"""
+
+import os
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from optaxclip._core import _exact
+from optaxclip._core._batching import Grouped, reduce, reduce_many
+from optaxclip._core._mesh import Reduction
+from optaxclip._core._sums import (
+  elementwise_power,
+  is_order,
+  magnitude,
+  power,
+  rescued_roots,
+)
+
+
+class _Blue(NamedTuple):
+  """Blue's thresholds and scales (powers of two) for a float type.
+
+  LAPACK's, but for the big threshold, lowered from ``2**52`` to
+  ``2**(maxexp/4)`` so that ``2**31`` medium squares cannot overflow, and the
+  small scale, raised from ``2**75`` to ``2**(nmant - minexp/2)`` so that the
+  smallest subnormal's square is normal. float32: entries below ``2**-63``
+  are scaled by ``2**86`` (squares under ``2**46``), above ``2**32`` by
+  ``2**-76`` (squares in ``[2**-88, 2**104]``).
+  """
+  small: int
+  small_scale: int
+  big: int
+  big_scale: int
+  tiny: int  # p = 1: entries below 2**tiny are summed scaled by 2**-tiny
+
+  @classmethod
+  def of(cls, acc) -> "_Blue":
+    info = jnp.finfo(acc)
+    return cls(small=info.minexp // 2, small_scale=info.nmant - info.minexp // 2,
+               big=info.maxexp // 4, big_scale=-(info.maxexp // 2 + 12),
+               tiny=info.minexp + 2 * info.nmant)
+
+
+# Up to this order, (|x| / 2**frexp_exponent)**p in (2**-p, 1] is normal.
+_PAIR_ORDER_LIMIT = 120
+# The exponent of a NaN/Inf entry (above every finite one) and of 0.
+_NOT_FINITE, _ZERO = 1 << 20, -(1 << 20)
+
+
+def _bands(x: jax.Array, acc, low: int, high: int | None):
+  """``|x|`` in ``acc`` as ``(below 2**low, the rest, above 2**high)``
+  masks, the rest including NaN; subnormal magnitudes are read exactly by
+  ``_exact.Scale`` later, so the masks compare bits."""
+  y = x.astype(acc)
+  bits = _exact.magnitude_bits(y)
+  small = bits < _exact.bits(jnp.asarray(2.0 ** low, acc))
+  big = (bits > _exact.bits(jnp.asarray(2.0 ** high, acc))) & (y == y) if (
+      high is not None) else jnp.zeros_like(small)
+  return y, small, big
+
+
+def _scaled(y: jax.Array, mask: jax.Array, exponent: int, acc) -> jax.Array:
+  """``|y| * 2**exponent`` where ``mask``, else 0; exact for subnormals."""
+  scale = _exact.Scale.by(jnp.asarray(exponent), acc)
+  return jnp.where(mask, scale.apply(y), 0)
+
+
+def _parts(x: jax.Array, acc) -> list[jax.Array]:
+  """Real parts to sum: ``x`` itself, or a complex ``x``'s real and
+  imaginary parts (``|x|**2 = re**2 + im**2``)."""
+  if jnp.iscomplexobj(x):
+    return [jnp.real(x), jnp.imag(x)]
+  return [x]
+
+
+def _blue_sums(x: jax.Array, acc) -> tuple[jax.Array, ...]:
+  """Per entry, its square in the small, medium and big accumulator."""
+  blue = _Blue.of(acc)
+  out = [jnp.zeros([], acc)] * 3
+  for part in _parts(x, acc):
+    y, small, big = _bands(part, acc, blue.small, blue.big)
+    medium = ~(small | big)
+    terms = (_scaled(y, small, blue.small_scale, acc),
+             jnp.where(medium, y, 0), _scaled(y, big, blue.big_scale, acc))
+    out = [a + t * t for a, t in zip(out, terms)]
+  return tuple(out)
+
+
+def _blue_norms(sums: tuple[jax.Array, ...], divisor) -> jax.Array:
+  """The 2-norms from the three accumulators, as LAPACK's ``nrm2`` combines
+  them (roots taken before any rescaling, ``divisor`` applied first)."""
+  small, medium, big = sums
+  blue = _Blue.of(small.dtype)
+  down = 2.0 ** blue.big_scale  # a normal float, squared in two steps
+  half = -blue.big_scale // 2  # 2**-big_scale as two normal factors
+  roots_big = (jnp.sqrt(big + medium * down * down) / divisor
+               * 2.0 ** half * 2.0 ** (-blue.big_scale - half))
+  root_medium = jnp.sqrt(medium) / divisor
+  root_small = _exact.unscaled(jnp.sqrt(small) / divisor, -blue.small_scale)
+  # Both medium and small: one of them may be negligible, neither overflows.
+  high = jnp.maximum(root_medium, root_small)
+  low = jnp.minimum(root_medium, root_small)
+  ratio = low / jnp.where(high > 0, high, 1)
+  both = high * jnp.sqrt(1 + ratio * ratio)
+  norms = jnp.where(big > 0, roots_big,
+                    jnp.where(medium > 0,
+                              jnp.where(small > 0, both, root_medium),
+                              jnp.where(small > 0, root_small, root_medium)))
+  return jnp.where(jnp.isnan(small + medium + big), jnp.nan, norms)
+
+
+def _one_norm_sums(x: jax.Array, acc) -> tuple[jax.Array, ...]:
+  """Per entry, ``|x|`` (real) in the tiny (scaled up) or the normal
+  accumulator."""
+  tiny_exponent = _Blue.of(acc).tiny
+  y, tiny, _ = _bands(x, acc, tiny_exponent, None)
+  return (_scaled(y, tiny, -tiny_exponent, acc),
+          jnp.where(tiny, 0, jnp.abs(y)))
+
+
+def _one_norms(sums: tuple[jax.Array, ...], divisor) -> jax.Array:
+  tiny, normal = sums
+  exponent = _Blue.of(tiny.dtype).tiny
+  return jnp.where((normal > 0) | (normal != normal),
+                   (normal + tiny * 2.0 ** exponent) / divisor,
+                   _exact.unscaled(tiny / divisor, exponent))
+
+
+def _pairs(x: jax.Array, p, acc) -> tuple[jax.Array, jax.Array]:
+  """Per entry ``(e, (|x| / 2**e)**p)``, ``e`` its ``frexp`` exponent, from
+  its bits (exact for subnormals); ``(_ZERO, 0)`` for 0 and
+  ``(_NOT_FINITE, |x|)`` for NaN/Inf."""
+  y = magnitude(x, acc)
+  info = jnp.finfo(acc)
+  bits = _exact.magnitude_bits(y)
+  exponent = _exact.exponent_of_bits(bits, acc)
+  field = bits >> info.nmant
+  top = (info.bits - 1) - lax.clz(bits)
+  shift = jnp.where(field > 0, 0, info.nmant - top)
+  one_half = jnp.asarray(info.maxexp - 2, bits.dtype) << info.nmant
+  mantissa = lax.bitcast_convert_type(
+      ((bits << shift) & ((1 << info.nmant) - 1)) | one_half, acc)
+  finite = y < jnp.inf
+  nonzero = _exact.nonzero_bits(y)  # `bits != 0` would read subnormals as 0
+  e = jnp.where(finite, jnp.where(nonzero, exponent, _ZERO), _NOT_FINITE)
+  t = jnp.where(finite, jnp.where(nonzero, power(mantissa, p), 0), y)
+  return e.astype(jnp.int32), t
+
+
+def _variadic_sums(values: tuple[jax.Array, ...], axis) -> tuple[jax.Array, ...]:
+  """Sums of several arrays of one shape as one variadic reduction: one read
+  on every backend, where sibling reductions fuse on XLA:GPU only."""
+  if os.environ.get("OPTAXCLIP_BLUE") == "siblings":
+    return tuple(jnp.sum(v, axis=axis) for v in values)
+  zeros = tuple(jnp.zeros([], v.dtype) for v in values)
+  return lax.reduce(values, zeros, lambda a, b: tuple(
+      x + y for x, y in zip(a, b)), tuple(axis))
+
+
+def _combine_pairs(p):
+  def combine(a, b):
+    (ea, ta), (eb, tb) = a, b
+    e = jnp.maximum(ea, eb)
+    weight = lambda d: jnp.exp2(p * (d - e).astype(ta.dtype))  # noqa: E731
+    return e, ta * weight(ea) + tb * weight(eb)
+  return combine
+
+
+def _pair_norms(grouped: Grouped, p, acc, reduction: Reduction, *,
+                total: bool, divisor) -> jax.Array:
+  """Orders other than 1, 2, inf: one variadic reduction of pairs."""
+  combine = _combine_pairs(p)
+  init = (jnp.int32(_ZERO), jnp.zeros([], acc))
+
+  def reducer(values, axis):
+    e, t = values
+    return lax.reduce((e, t), init, combine, tuple(axis))
+
+  def pairs(x, group):
+    return _pairs(x, p, acc)
+
+  e, t = reduce_many(grouped, pairs, reduction, total=total, reducer=reducer,
+                     combine=combine, across=_pairs_across(p, reduction))
+  roots = jnp.where(t > 0, t, 1) ** (1 / p) / divisor
+  info = jnp.finfo(acc)
+  norms = _exact.unscaled(roots, jnp.clip(e, info.minexp - info.nmant - 1, info.maxexp))
+  return jnp.where(e == _NOT_FINITE, t, jnp.where(t > 0, norms, 0))
+
+
+def _pairs_across(p, reduction: Reduction):
+  """Combines pairs over devices: the largest exponent, then the sums
+  rescaled to it (two all-reduces; one device: nothing)."""
+  def across(e, t, sizes):
+    if not reduction.axis_names:
+      return e, t
+    top = reduction.max(e.astype(jnp.float32), sizes).astype(jnp.int32)
+    from_here = reduction.local(top, sizes) if sizes else top
+    t = t * jnp.exp2(p * (e - from_here).astype(t.dtype))
+    return top, reduction.sum(t, sizes)
+  return across
+
+
+def norms_one_pass(grouped: Grouped, p: Any, acc, reduction: Reduction, *,
+                   total: bool, divisor=None) -> jax.Array:
+  """The ``p``-norm of each unit of ``grouped`` (or, with ``total``, of all
+  of them), reading each entry once (see the module docstring)."""
+  divisor = jnp.ones([], acc) if divisor is None else divisor
+  if is_order(p, 2):
+    sums = reduce_many(grouped, lambda x, _: _blue_sums(x, acc), reduction,
+                       total=total, reducer=_variadic_sums)
+    return _blue_norms(sums, divisor)
+  complex_leaves = any(jnp.iscomplexobj(group.values) for group in grouped.groups)
+  if is_order(p, 1) and not complex_leaves:
+    sums = reduce_many(grouped, lambda x, _: _one_norm_sums(x, acc),
+                       reduction, total=total, reducer=_variadic_sums)
+    return _one_norms(sums, divisor)
+  if (not isinstance(p, jax.Array) and p <= _PAIR_ORDER_LIMIT
+      and not complex_leaves):
+    return _pair_norms(grouped, p, acc, reduction, total=total,
+                       divisor=divisor)
+  # Orders this high, traced (a reduction may not close over one), or of
+  # complex leaves (|x| of subnormal parts): the largest |x| first, then the
+  # powers divided by it;
+  # the plain sums only carry a NaN or Inf through.
+  sums = reduce(grouped, lambda x, _: elementwise_power(x, p, acc), reduction,
+                maximum=False, total=total)
+  return rescued_roots(grouped, p, acc, reduction, sums, None, divisor,
+                       total=total)

@@ -1,0 +1,105 @@
+"""The programs JAX hands XLA:GPU and XLA:TPU, lowered here on the CPU.
+
+XLA:GPU turns a two-branch conditional made of cheap instructions into a
+select that runs both branches every step, so on GPU and TPU every norm must
+read the gradients once with no conditional that can go two ways at run
+time (docs/design.md, "Platforms"). ``lax.platform_dependent``'s own
+dispatch lowers to a case on a constant: that one is fine.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optaxclip as oc
+
+F = oc.functional
+ACCELERATORS = ("cuda", "tpu")
+
+
+def _tree(dtype):
+  rng = np.random.default_rng(0)
+  return {"embed": jnp.asarray(rng.normal(size=(64, 16)), dtype),
+          "layers": jnp.asarray(rng.normal(size=(3, 16, 16)), dtype),
+          "bias": [jnp.asarray(rng.normal(size=(16,)), dtype) for _ in range(5)]}
+
+
+TREE, TREE_BF16 = _tree(jnp.float32), _tree(jnp.bfloat16)
+
+
+def _step(tx):
+  """A whole training step: ``tx``'s update and its application."""
+  state = tx.init(TREE)
+
+  def step(grads, state, params):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+  return step, (TREE, state, TREE)
+
+
+def _update(tx):
+  return (lambda g, s: tx.update(g, s, TREE)), (TREE, tx.init(TREE))
+
+
+CLIPPED_ADAMW = optax.chain(oc.clip_by_global_norm(1.0), optax.adamw(1e-3))
+PROGRAMS = {
+    "global_norm f32": (F.global_norm, (TREE,)),
+    "global_norm bf16": (F.global_norm, (TREE_BF16,)),
+    **{f"global_norm ord={p}": (lambda t, p=p: F.global_norm(t, p), (TREE,))
+       for p in (1, 3, 0.5)},
+    "clip_by_global_norm update": _update(oc.clip_by_global_norm(1.0)),
+    "clipped adamw step": _step(CLIPPED_ADAMW),
+    "skip_step(chain(clip, adamw), zscore=6)":
+        _update(oc.skip_step(CLIPPED_ADAMW, zscore=6.0)),
+    "dynamic_loss_scale(chain(clip, adamw))":
+        _update(oc.dynamic_loss_scale(CLIPPED_ADAMW)),
+    "per layer": _update(oc.clip_by_norm(
+        1.0, layer_axis={"embed": None, "layers": 0, "bias": None})),
+    "leaf norms": _update(oc.clip_by_global_norm(1.0, leaf_norms=True)),
+    "adaptive_grad_clip": _step(oc.adaptive_grad_clip(0.1)),
+    "per example": (lambda t: F.per_example_clip_by_global_norm(t, 1.0),
+                    (TREE["layers"],)),
+}
+
+
+def two_way_conditionals(lowered) -> list[str]:
+  """The ``stablehlo.case``/``if`` ops of two or more branches whose index
+  is not a constant (each named by its branch count)."""
+  found, stack = [], [lowered.compiler_ir("stablehlo").operation]
+  while stack:
+    for region in stack.pop().regions:
+      for block in region.blocks:
+        for op in block.operations:
+          stack.append(op)
+          if op.name in ("stablehlo.case", "stablehlo.if") and len(op.regions) > 1:
+            index = op.operands[0].owner
+            if getattr(index, "name", None) != "stablehlo.constant":
+              found.append(f"{op.name} with {len(op.regions)} branches")
+  return found
+
+
+@pytest.mark.parametrize("platform", ACCELERATORS)
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_accelerator_programs_hold_no_conditional(name, platform):
+  fn, args = PROGRAMS[name]
+  lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,))
+  assert two_way_conditionals(lowered) == []
+
+
+def test_the_cpu_program_keeps_the_rescue():
+  # The CPU keeps its branch not taken: the rescue costs nothing there.
+  lowered = jax.jit(F.global_norm).trace(TREE).lower(lowering_platforms=("cpu",))
+  assert two_way_conditionals(lowered) != []
+
+
+@pytest.mark.parametrize("ord", [2, 1, 3])
+def test_the_one_pass_kernel_reads_each_gradient_once(monkeypatch, ord):
+  # Its accumulators are one variadic reduction: one read on every backend
+  # (sibling reductions would fuse into one read on XLA:GPU only).
+  monkeypatch.setenv("OPTAXCLIP_KERNEL", "one_pass")
+  tree = {"w": jnp.ones((256, 256)), "b": jnp.ones((256,))}
+  compiled = jax.jit(lambda t: F.global_norm(t, ord)).lower(tree).compile()
+  tree_bytes = sum(x.nbytes for x in jax.tree.leaves(tree))
+  assert compiled.cost_analysis()["bytes accessed"] / tree_bytes == pytest.approx(1.0, abs=0.01)
