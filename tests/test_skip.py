@@ -28,6 +28,7 @@ from outliers import (
 
 import optaxclip as oc
 from optaxclip._guards.skip import SkipStats, skip_step
+from optaxclip._stats import running as running_stats
 
 STEPS = 300
 DECAY, WARMUP, ZSCORE, MAX_NORM = 0.95, 30, 6.0, 50.0
@@ -322,12 +323,13 @@ def test_gradient_is_finite_at_zero_and_after_a_constant_history(kwargs):
     assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads)), history
 
 
-def test_stats_std_has_a_finite_gradient_at_a_zero_variance():
-  tx = skip_step(optax.sgd(1.0), zscore=3.0)
-  state = tx.init(PARAMS)
-  std = lambda var: oc.stats(state._replace(stats=state.stats._replace(
-      norm_stats=state.stats.norm_stats._replace(var=var))))["skip/norm_std"]
-  assert float(jax.grad(std)(jnp.float32(0.0))) == 0.0
+def test_std_has_a_finite_gradient_at_a_zero_variance():
+  """The statistics keep the standard deviation, the root of the EMA's
+  variance: after a constant history its gradient is 0, not NaN."""
+  std = lambda value: running_stats.ema(  # noqa: E731
+      jnp.float32(2.0), jnp.float32(0.0), value, jnp.float32(0.9))[1]
+  assert float(std(jnp.float32(2.0))) == 0.0
+  assert float(jax.grad(std)(jnp.float32(2.0))) == 0.0
 
 
 def test_step_is_the_wrappers_decision_and_statistics():
@@ -1004,7 +1006,7 @@ def test_no_finite_sequence_stalls_the_guard(guard, case, warmup, bound,
                                      warmup, bound, jnp.float32(offset))
   skip = np.asarray(skip)
   running = stats.norm_stats if guard == "norm" else stats.loss_stats
-  assert_finite(running.mean, running.var)
+  assert_finite(running.mean, running.std)
   assert longest_run(skip) <= bound, np.flatnonzero(skip)
   assert not skip[-1 - CHECKED:-1].any(), (start, np.flatnonzero(skip))
   assert skip[-1], "the spike after the final level was not skipped"
@@ -1170,7 +1172,7 @@ def test_no_finite_sequence_stalls_the_window_guard(guard, case, window,
       jnp.asarray(values, jnp.float32), warmup, bound, jnp.float32(offset))
   skip = np.asarray(skip)
   running = stats.norm_stats if guard == "norm" else stats.loss_stats
-  assert_finite(running.mean, running.var, running.window)
+  assert_finite(running.mean, running.std, running.window)
   assert longest_run(skip) <= bound, np.flatnonzero(skip)
   assert not skip[-1 - CHECKED:-1].any(), (start, np.flatnonzero(skip))
   assert skip[-1], "the spike after the final level was not skipped"
