@@ -4,7 +4,8 @@ Each step appends the global L2 norm to a history and clips with PyTorch's
 ``clip_grad_norm_`` semantics to ``numpy.percentile(history, percentile)``
 (linear interpolation). The history is a fixed-size ring buffer in the state:
 the same numbers as the unbounded reference while ``step <= history``, after
-which the oldest norm makes room for the newest.
+which the oldest norm makes room for the newest. ``step`` is the statistics
+as a pure function ``(state, norm) -> (factor, new_state)``.
 """
 
 from typing import Any, NamedTuple
