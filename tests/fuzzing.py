@@ -321,7 +321,7 @@ SPECS = {
          "clip_factor": NEGATIVE + NOT_FINITE, "skip_update_on_spike": ["yes", 1, None],
          "specs": [P()]},
         {}, norm_ord=lambda k: 2,
-        adaptive=("mean", "var", "warmup_norms", "collected")),
+        adaptive=("mean", "std", "warmup_norms", "collected")),
     "adagc": Spec(
         "adagc", lambda **k: oc.adagc(**k),
         st.fixed_dictionaries({

@@ -370,7 +370,7 @@ def test_skip_step_windows_never_stall_over_thousands_of_steps(name):
   else:  # the update's norm costs passes: absent unless asked for
     assert stats.update_stats is None
   for running in measured:
-    for x in (running.mean, running.var, running.window):
+    for x in (running.mean, running.std, running.window):
       assert np.all(np.isfinite(x))
   skipped, _ = _exact_skip_counters(stats, kinds)
   assert np.mean(skipped[kinds == "spike"]) > 0.9
@@ -388,7 +388,7 @@ def test_skip_step_never_stalls_over_thousands_of_steps():
   stats = states.stats
   _exact_skip_counters(stats, kinds)
   for running in (stats.norm_stats, stats.loss_stats):
-    assert np.all(np.isfinite(running.mean)) and np.all(np.isfinite(running.var))
+    assert np.all(np.isfinite(running.mean)) and np.all(np.isfinite(running.std))
   bad = np.isin(kinds, ["nan", "inf"])
   np.testing.assert_array_equal(_marks(stats.nonfinite_count), bad)
   np.testing.assert_array_equal(_marks(stats.loss_nonfinite_count), bad)
@@ -408,7 +408,7 @@ def test_skip_step_never_stalls_over_thousands_of_steps():
 def test_zclip_never_stalls_over_thousands_of_steps():
   kinds, _, settled = guard_data()
   states, factors = guard_soak("zclip")
-  assert np.all(np.isfinite(states.mean)) and np.all(np.isfinite(states.var))
+  assert np.all(np.isfinite(states.mean)) and np.all(np.isfinite(states.std))
   bad = np.isin(kinds, ["nan", "inf"])
   np.testing.assert_array_equal(_marks(states.nonfinite_count), bad)
   cut = np.asarray(states.scale) < 1

@@ -4,7 +4,8 @@ Each step appends the global L2 norm to a history and clips with PyTorch's
 ``clip_grad_norm_`` semantics to ``numpy.percentile(history, percentile)``
 (linear interpolation). The history is a fixed-size ring buffer in the state:
 the same numbers as the unbounded reference while ``step <= history``, after
-which the oldest norm makes room for the newest.
+which the oldest norm makes room for the newest. ``step`` is the statistics
+as a pure function ``(state, norm) -> (factor, new_state)``.
 """
 
 from typing import Any, NamedTuple
@@ -93,6 +94,31 @@ def percentile_of_prefix(values: jax.Array, size: jax.Array,
   return jnp.where(size > 0, value, jnp.inf)
 
 
+def step(state: AutoClipState, norm: jax.Array, *, percentile: Scalar,
+         eps: Scalar) -> tuple[jax.Array, AutoClipState]:
+  """One step of ``auto_clip``'s statistics: the factor for ``norm`` (in
+  its accumulation dtype) and the state after it (see ``auto_clip``)."""
+  dtype = state.norms.dtype  # the statistics' (see init), every step
+  seen = running.to_statistics(norm, dtype)
+  finite = jnp.isfinite(norm)
+  # The length comes from the state: under inject_hyperparams `history`
+  # is traced here.
+  length = state.norms.shape[0]
+  norms = jnp.where(finite, state.norms.at[state.position].set(seen),
+                    state.norms)
+  filled = jnp.where(finite, jnp.minimum(state.size + 1, length), state.size)
+  position = jnp.where(finite, (state.position + 1) % length, state.position)
+  threshold = percentile_of_prefix(norms, filled,
+                                   jnp.asarray(percentile, jnp.float32))
+  # From the norm itself: a float64 norm beyond float32 statistics.
+  factor = scaling.clip_factor(norm, threshold.astype(norm.dtype), eps)
+  return factor, AutoClipState(
+      norms=norms, position=position.astype(jnp.int32),
+      size=filled.astype(jnp.int32), norm=seen,
+      threshold=threshold.astype(dtype), scale=factor.astype(dtype),
+      **counters.step_counts(state, finite=finite, clipped=factor < 1))
+
+
 def auto_clip(percentile: Scalar = 10.0, *, history: int = 1000,
               eps: Scalar = 1e-6, axis_name: AxisName = None,
               specs: PyTree = None) -> optax.GradientTransformationExtraArgs:
@@ -152,26 +178,7 @@ def auto_clip(percentile: Scalar = 10.0, *, history: int = 1000,
     del params, extra_args
     _validation.check_update(fn, updates, state, AutoClipState)
     norm = _core.measure(fn, updates, 2, where, given=grad_norm).total
-    dtype = state.norms.dtype  # the statistics' (see init), every step
-    seen = running.to_statistics(norm, dtype)
-    finite = jnp.isfinite(norm)
-    # The length comes from the state: under inject_hyperparams `history`
-    # is traced here.
-    length = state.norms.shape[0]
-    norms = jnp.where(finite, state.norms.at[state.position].set(seen),
-                      state.norms)
-    filled = jnp.where(finite, jnp.minimum(state.size + 1, length), state.size)
-    position = jnp.where(finite, (state.position + 1) % length, state.position)
-    threshold = percentile_of_prefix(norms, filled,
-                                     jnp.asarray(percentile, jnp.float32))
-    # From the norm itself: a float64 norm beyond float32 statistics.
-    factor = scaling.clip_factor(norm, threshold.astype(norm.dtype), eps)
-    new_state = AutoClipState(
-        norms=norms, position=position.astype(jnp.int32),
-        size=filled.astype(jnp.int32),
-        norm=seen, threshold=threshold.astype(dtype),
-        scale=factor.astype(dtype),
-        **counters.step_counts(state, finite=finite, clipped=factor < 1))
+    factor, new_state = step(state, norm, percentile=percentile, eps=eps)
     return scaling.scale_leaves(updates, factor), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -44,7 +44,9 @@ class ZClipState(NamedTuple):
 
   Attributes:
     mean: float ``[]``: the EMA of the norm (0 until the warm-up ends).
-    var: float ``[]``: the EMA of the squared deviation from the mean.
+    std: float ``[]``: the square root of the EMA of the squared deviation
+      from the mean (kept rather than the variance, which underflows for
+      norms below ~1e-19 in float32: ``_stats.running``).
     warmup_norms: float ``[warmup_steps]``: the norms seen in the warm-up.
     collected: int32 ``[]``: finite norms collected; the warm-up ends when
       it reaches ``warmup_steps``.
@@ -68,7 +70,7 @@ class ZClipState(NamedTuple):
       that stacks layers, as in ``ClipState``; otherwise None.
   """
   mean: jax.Array
-  var: jax.Array
+  std: jax.Array
   warmup_norms: jax.Array
   collected: Counter
   # Bookkeeping of restarts and let-through spikes, hidden from stats:
@@ -90,7 +92,7 @@ class ZClipState(NamedTuple):
             leaf_norms: PyTree = None, stack_norms: PyTree = None
             ) -> "ZClipState":
     """The state before the first step: an empty warm-up buffer."""
-    return cls(mean=jnp.zeros([], dtype), var=jnp.zeros([], dtype),
+    return cls(mean=jnp.zeros([], dtype), std=jnp.zeros([], dtype),
                warmup_norms=jnp.zeros([warmup_steps], dtype),
                collected=counters.zero(), norm=jnp.zeros([], dtype),
                z=jnp.zeros([], dtype), threshold=jnp.zeros([], dtype),
@@ -102,13 +104,12 @@ class ZClipState(NamedTuple):
 
 
 def _extras(state: ZClipState) -> dict[str, jax.Array]:
-  return {"std": running.safe_sqrt(state.var),
-          "clip_rate": counters.clip_rate(state),
+  return {"clip_rate": counters.clip_rate(state),
           **leaf_stats.entries(state.leaf_norms, state.stack_norms)}
 
 
 registry.register(ZClipState, "zclip", extras=_extras,
-                  hide=("var", "warmup_norms", "collected", "stale_count",
+                  hide=("warmup_norms", "collected", "stale_count",
                         "spike_streak", "leaf_norms", "stack_norms"))
 
 
@@ -147,7 +148,7 @@ class _WarmUp(NamedTuple):
   buffer: jax.Array
   collected: jax.Array
   mean: jax.Array
-  var: jax.Array
+  std: jax.Array
 
 
 def _warm_up(state: ZClipState, norm: jax.Array) -> _WarmUp:
@@ -162,10 +163,10 @@ def _warm_up(state: ZClipState, norm: jax.Array) -> _WarmUp:
   collected = state.collected + collect.astype(jnp.int32)
   starts = warming & (collected >= length)
   # Only the last warm-up step needs them (and pays for the median).
-  mean, var = jax.lax.cond(
-      starts, running.robust_moments, lambda b: (state.mean, state.var),
+  mean, std = jax.lax.cond(
+      starts, running.robust_moments, lambda b: (state.mean, state.std),
       buffer)
-  return _WarmUp(warming, starts, buffer, collected, mean, var)
+  return _WarmUp(warming, starts, buffer, collected, mean, std)
 
 
 def _released(state: ZClipState, spike: jax.Array,
@@ -190,9 +191,11 @@ def step(state: ZClipState, norm: jax.Array, *, alpha: Scalar,
   finite = jnp.isfinite(norm)
   warm = _warm_up(state, norm)
   # After warm-up: z-score against the EMA.
-  std = running.safe_sqrt(state.var)
-  deviation = norm - state.mean
-  z = _safe_divide(deviation, std + jnp.asarray(eps, dtype),
+  std = state.std
+  # In the statistics' frame: the same z for norms times any power of two.
+  scale = running.frame(norm, state.mean, std)
+  deviation = norm / scale - state.mean / scale
+  z = _safe_divide(deviation, (std + jnp.asarray(eps, dtype)) / scale,
                    jnp.where(deviation > 0, jnp.inf, 0.0))
   detected, limit = _spike_threshold(
       norm, state.mean, std, z, z_thresh=z_thresh, mode=mode,
@@ -213,24 +216,24 @@ def step(state: ZClipState, norm: jax.Array, *, alpha: Scalar,
 
   # EMA: mean first, then the variance around the new mean (ZClip's); a
   # released spike is fed in full.
-  mean, var = running.ema(state.mean, state.var,
+  mean, std = running.ema(state.mean, state.std,
                           jnp.where(spike, limit, norm),
                           jnp.asarray(alpha, dtype), zclip=True)
   tracks = ~warm.warming & finite
   if skip_update_on_spike:
     tracks = tracks & ~spike
   mean = jnp.where(warm.starts, warm.mean, jnp.where(tracks, mean, state.mean))
-  var = jnp.where(warm.starts, warm.var, jnp.where(tracks, var, state.var))
+  std = jnp.where(warm.starts, warm.std, jnp.where(tracks, std, state.std))
   # Statistics that ordinary norms find far above them: warm up again.
   stale, restart = running.stale_streak(
       state.stale_count, norm, state.mean, ~warm.warming & finite)
-  mean, var = jnp.where(restart, 0, mean), jnp.where(restart, 0, var)
+  mean, std = jnp.where(restart, 0, mean), jnp.where(restart, 0, std)
   # A warm-up of zero norms gives no scale: with mean and std 0 every later
   # norm would be a spike cut to 0, zeroing every update for good.
   restart = restart | (warm.starts & (warm.mean == 0))
 
   new_state = ZClipState(
-      mean=mean.astype(dtype), var=var.astype(dtype),
+      mean=mean.astype(dtype), std=std.astype(dtype),
       warmup_norms=warm.buffer.astype(dtype),
       collected=jnp.where(restart, 0, warm.collected).astype(jnp.int32),
       norm=norm, z=jnp.where(warm.warming, 0.0, z).astype(dtype),
@@ -268,7 +271,8 @@ def zclip(*, alpha: Scalar = 0.97, z_thresh: Scalar = 2.5,
     alpha: EMA smoothing factor in [0, 1] (weight of the past).
     z_thresh: the z-score above which a norm is a spike (>= 0).
     max_grad_norm: an absolute cap on the norm (>= 0), or None.
-    eps: added to the standard deviation in the z-score (>= 0).
+    eps: added to the standard deviation in the z-score (>= 0; an
+      absolute amount: with 0 the spikes found do not depend on the norms' scale).
     warmup_steps: norms collected before the EMA starts (an int >= 1); it
       fixes the state's shape (``static_args`` under ``inject_hyperparams``).
     mode: ``"zscore"`` or ``"percentile"``.

@@ -29,12 +29,20 @@ PyTree = Any
 MAX_CONSECUTIVE_SKIPS = 4
 
 
+def _variance(stats: Running) -> jax.Array:
+  """The variance of the statistics, which keep its root: saturating at
+  the largest float (the root of a norm beyond ~1.8e19), 0 where it
+  underflows (below ~1e-19)."""
+  return running.saturate(jnp.square(stats.std))
+
+
 class SkipStats(NamedTuple):
   """The counters and statistics of ``skip_step``.
 
   ``float`` below is float32, or float64 when x64 is on and ``init`` was
   given float64 parameters. ``norm_mean``, ``norm_var``, ``ema_count``,
-  ``loss_mean``, ``loss_var`` and ``loss_ema_count`` read the statistics.
+  ``loss_mean``, ``loss_var`` and ``loss_ema_count`` read the statistics
+  (the variances from the standard deviations they keep).
 
   Attributes:
     norm: float ``[]``: the global norm of the last gradients (unscaled).
@@ -103,10 +111,10 @@ class SkipStats(NamedTuple):
 
   # The EMA-era names, read from the statistics they now live in.
   norm_mean = property(lambda self: self.norm_stats.mean)
-  norm_var = property(lambda self: self.norm_stats.var)
+  norm_var = property(lambda self: _variance(self.norm_stats))
   ema_count = property(lambda self: self.norm_stats.count)
   loss_mean = property(lambda self: self.loss_stats.mean)
-  loss_var = property(lambda self: self.loss_stats.var)
+  loss_var = property(lambda self: _variance(self.loss_stats))
   loss_ema_count = property(lambda self: self.loss_stats.count)
 
   @classmethod
@@ -137,13 +145,13 @@ def _extras(stats: SkipStats) -> dict[str, jax.Array]:
   rate = stats.skipped_count / jnp.maximum(stats.count, 1)
   return {"ema_count": stats.ema_count, "norm_mean": stats.norm_mean,
           "norm_var": stats.norm_var,
-          "norm_std": running.safe_sqrt(stats.norm_var),
+          "norm_std": stats.norm_stats.std,
           "loss_ema_count": stats.loss_ema_count,
           "loss_mean": stats.loss_mean, "loss_var": stats.loss_var,
-          "loss_std": running.safe_sqrt(stats.loss_var),
+          "loss_std": stats.loss_stats.std,
           **({} if stats.update_stats is None else {
               "update_mean": stats.update_stats.mean,
-              "update_std": running.safe_sqrt(stats.update_stats.var)}),
+              "update_std": stats.update_stats.std}),
           "skip_rate": rate.astype(jnp.float32),
           **leaf_stats.entries(stats.leaf_norms, stats.stack_norms)}
 

@@ -23,16 +23,27 @@ exactly the reference numbers:
   ``|mean| + std`` away from the mean, and a value is far from a level
   more than ``OUTLIER_RATIO`` times its own size away (``streak_of``
   counts those streaks);
-- ``ema``: the EMA step, with the variance saturating at the largest float
-  rather than overflowing, so that statistics are always finite;
+- ``ema``: the EMA step of a mean and a standard deviation;
+- ``frame``: the power of two every moment is computed relative to;
 - ``safe_sqrt``: the standard deviation, with a finite gradient at a zero
   variance (a constant history).
+
+Statistics keep the standard deviation, never the variance, and compute
+moments on values divided by a power of two near the largest of them
+(``frame``): a variance underflows where the values' squares do (below
+~1e-19 in float32, where a 5% spread of norms of 1e-18 reads as 0 and every
+value above the mean as a spike) and overflows above ~1.8e19. So the
+decisions are the same for values ``x`` and ``x * 2**k`` (while the values
+and their standard deviation are normal floats), and at ordinary
+magnitudes the numbers are the plain formulas' (dividing by a power of two
+is exact).
 
 Statistics are kept in ``statistics_dtype(params)``: float32, or float64
 when x64 is on and a parameter is float64, so that a norm beyond float32's
 range (finite float64 gradients) stays finite.
 """
 
+import functools
 from typing import Any
 
 import jax
@@ -81,6 +92,24 @@ def _safe_sqrt_jvp(primals, tangents):
   root = safe_sqrt(x)
   positive = root > 0
   return root, jnp.where(positive, dx / (2 * jnp.where(positive, root, 1)), 0)
+
+
+def frame(*values: jax.Array) -> jax.Array:
+  """A power of two near the largest finite ``|value|`` of ``values``.
+
+  ``2**(e - 1)`` for the largest ``m * 2**e`` (``0.5 <= m < 1``), within
+  the dtype's normal range: values divided by it are at most 2 in size
+  (their squares neither overflow nor, for the largest, underflow), and the
+  same for ``values * 2**k`` (the division is exact for normal floats).
+  """
+  largest = functools.reduce(jnp.maximum, [
+      jnp.max(jnp.where(jnp.isfinite(v), jnp.abs(v), 0)) for v in values])
+  # A constant for gradients: x / scale * scale is x, whatever the scale.
+  largest = jax.lax.stop_gradient(largest)
+  _, exponent = jnp.frexp(largest)
+  info = jnp.finfo(largest.dtype)
+  exponent = jnp.clip(exponent - 1, info.minexp, info.maxexp - 1)
+  return jnp.ldexp(jnp.ones([], largest.dtype), exponent)
 
 
 def to_statistics(x: jax.Array, dtype) -> jax.Array:
@@ -163,24 +192,27 @@ def far_from(value: jax.Array, level: jax.Array) -> jax.Array:
 
 
 def robust_moments(values: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Mean and population variance of ``values`` without their outliers.
+  """Mean and population standard deviation of ``values`` without their
+  outliers.
 
   Values above ``OUTLIER_RATIO`` times the median are left out (none when
   the median is 0: there is no scale to compare with); with none left out
-  the result is ``mean(values)`` and ``mean((values - mean)**2)``. The
-  variance saturates at the largest float.
+  the result is ``mean(values)`` and ``sqrt(mean((values - mean)**2))``,
+  computed in the kept values' ``frame``.
   """
   median = jnp.median(values)
   keep = ~((median > 0) & far_above(values, median))
+  scale = frame(jnp.where(keep, values, 0))
+  scaled = values / scale
   count = jnp.sum(keep).astype(values.dtype)
-  kept_mean = jnp.sum(jnp.where(keep, values, 0)) / count
-  kept_var = jnp.sum(jnp.where(keep, jnp.square(values - kept_mean), 0)) / count
+  kept_mean = jnp.sum(jnp.where(keep, scaled, 0)) / count
+  kept_var = jnp.sum(jnp.where(keep, jnp.square(scaled - kept_mean), 0)) / count
   # With nothing left out, the plain formulas' very bits.
-  mean = jnp.mean(values)
-  var = jnp.mean(jnp.square(values - mean))
+  mean = jnp.mean(scaled)
+  var = jnp.mean(jnp.square(scaled - mean))
   all_kept = jnp.all(keep)
-  return (jnp.where(all_kept, mean, kept_mean),
-          saturate(jnp.where(all_kept, var, kept_var)))
+  return (jnp.where(all_kept, mean, kept_mean) * scale,
+          saturate(safe_sqrt(jnp.where(all_kept, var, kept_var)) * scale))
 
 
 def ema_mean(mean: jax.Array, value: jax.Array, decay: jax.Array) -> jax.Array:
@@ -188,11 +220,11 @@ def ema_mean(mean: jax.Array, value: jax.Array, decay: jax.Array) -> jax.Array:
   return decay * mean + (1 - decay) * value
 
 
-def ema(mean: jax.Array, var: jax.Array, value: jax.Array, decay: jax.Array,
+def ema(mean: jax.Array, std: jax.Array, value: jax.Array, decay: jax.Array,
         *, zclip: bool = False) -> tuple[jax.Array, jax.Array]:
-  """The EMA mean and variance after one more ``value``.
+  """The EMA mean and standard deviation after one more ``value``.
 
-  With ``delta = value - mean`` and ``d = decay``:
+  With ``delta = value - mean``, ``var = std**2`` and ``d = decay``:
 
   - by default, ``mean + (1 - d) * delta`` and ``d * (var + (1 - d) *
     delta**2)``: the weighted mean and variance, updated in the incremental
@@ -201,16 +233,20 @@ def ema(mean: jax.Array, var: jax.Array, value: jax.Array, decay: jax.Array,
   - with ``zclip``, ZClip's ``d * mean + (1 - d) * value`` and
     ``d * var + (1 - d) * (value - new_mean)**2``.
 
-  The variance saturates at the largest float instead of overflowing.
+  Computed in the ``frame`` of the three (no square under- or overflows);
+  the standard deviation saturates at the largest float.
   """
+  scale = frame(mean, std, value)
+  mean, std, value = mean / scale, std / scale, value / scale
   delta = value - mean
   if zclip:
     # value - new_mean is decay * delta: no cancellation near the mean.
-    return (ema_mean(mean, value, decay),
-            saturate(decay * var + (1 - decay) * jnp.square(decay * delta)))
-  # d == 0 would give 0 * inf = NaN for a delta whose square overflows.
-  var = jnp.where(decay > 0, decay * (var + (1 - decay) * delta * delta), 0)
-  return mean + (1 - decay) * delta, saturate(var)
+    new = ema_mean(mean, value, decay)
+    var = decay * jnp.square(std) + (1 - decay) * jnp.square(decay * delta)
+  else:
+    new = mean + (1 - decay) * delta
+    var = decay * (std * std + (1 - decay) * delta * delta)
+  return new * scale, saturate(safe_sqrt(var) * scale)
 
 
 def bias_corrected_decay(decay: jax.Array, count: jax.Array) -> jax.Array:

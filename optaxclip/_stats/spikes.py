@@ -31,7 +31,8 @@ class Running(NamedTuple):
 
   Attributes:
     mean: float ``[]``: the mean of the values in the statistics.
-    var: float ``[]``: their variance.
+    std: float ``[]``: their standard deviation (not the variance, which
+      underflows for values below ~1e-19 in float32: ``_stats.running``).
     count: int32 ``[]``: values in the statistics since they last started.
     streak: int32 ``[]``: values in a row the statistics disagree with;
       ``RESTART_AFTER`` start them again (EMA mode).
@@ -39,7 +40,7 @@ class Running(NamedTuple):
       (window mode; the last ``count`` hold values); None in EMA mode.
   """
   mean: jax.Array
-  var: jax.Array
+  std: jax.Array
   count: jax.Array
   streak: jax.Array
   window: jax.Array | None = None
@@ -49,7 +50,7 @@ class Running(NamedTuple):
             window: int | None = None) -> "Running":
     """The statistics before the first value, their floats in ``dtype``;
     a ``window`` of that many values, or EMAs (None)."""
-    return cls(mean=jnp.zeros([], dtype), var=jnp.zeros([], dtype),
+    return cls(mean=jnp.zeros([], dtype), std=jnp.zeros([], dtype),
                count=counters.zero(), streak=counters.zero(),
                window=None if window is None else jnp.zeros([window], dtype))
 
@@ -72,12 +73,19 @@ class Verdict(NamedTuple):
   z: jax.Array
 
 
+def _in_frame(stats: Running, value: jax.Array
+              ) -> tuple[jax.Array, jax.Array]:
+  """``value - mean`` and ``std`` in their ``running.frame``: the same
+  for values times any power of two (no difference underflows)."""
+  scale = running.frame(value, stats.mean, stats.std)
+  return value / scale - stats.mean / scale, stats.std / scale
+
+
 def zscore_of(stats: Running, value: jax.Array, active: jax.Array
               ) -> jax.Array:
   """``(value - mean) / std``; 0 while not ``active`` for a finite value,
   +-inf above or below a zero ``std`` (a constant history)."""
-  std = running.safe_sqrt(stats.var)
-  deviation = value - stats.mean
+  deviation, std = _in_frame(stats, value)
   positive = std > 0
   z = jnp.where(positive, deviation / jnp.where(positive, std, 1),
                 jnp.where(deviation == 0, 0, jnp.sign(deviation) * jnp.inf))
@@ -90,20 +98,18 @@ def is_spike(stats: Running, value: jax.Array, zscore: Scalar | None,
   deviations above the mean (or away from it, ``two_sided``)."""
   if zscore is None:
     return jnp.zeros([], bool)
-  deviation = value - stats.mean
+  deviation, std = _in_frame(stats, value)
   if two_sided:
     deviation = jnp.abs(deviation)
   # A product, not z: at zscore=inf nothing is a spike (inf * 0 is NaN).
-  limit = (jnp.asarray(zscore, value.dtype) *
-           running.safe_sqrt(stats.var))
+  limit = jnp.asarray(zscore, value.dtype) * std
   return jnp.isfinite(value) & active & (deviation > limit)
 
 
 def _capped(stats: Running, value: jax.Array, signed: bool) -> jax.Array:
   """``value`` as the EMA takes it in (winsorized, ``_stats.running``)."""
   if signed:
-    return running.capped_signed(
-        value, stats.mean, running.safe_sqrt(stats.var))
+    return running.capped_signed(value, stats.mean, stats.std)
   return running.capped(value, stats.mean)
 
 
@@ -146,7 +152,7 @@ def ema_feed(stats: Running, value: jax.Array, verdict: Verdict, *,
       jnp.asarray(decay, stats.mean.dtype), stats.count)
   fed = jnp.where(release & verdict.spike, value,
                   _capped(stats, value, signed))
-  mean, var = running.ema(stats.mean, stats.var, fed, d)
+  mean, std = running.ema(stats.mean, stats.std, fed, d)
   below = (running.far_from(value, stats.mean) if signed
            else running.far_below(value, stats.mean))
   streak, restart = running.streak_of(
@@ -154,30 +160,30 @@ def ema_feed(stats: Running, value: jax.Array, verdict: Verdict, *,
       accepted | verdict.disagrees)
   return stats._replace(
       mean=jnp.where(restart, value, jnp.where(accepted, mean, stats.mean)),
-      var=jnp.where(restart, 0, jnp.where(accepted, var, stats.var)),
+      std=jnp.where(restart, 0, jnp.where(accepted, std, stats.std)),
       count=jnp.where(restart, 1, counters.count_if(accepted, stats.count)),
       streak=streak)
 
 
 def window_moments(window: jax.Array, count: jax.Array
                    ) -> tuple[jax.Array, jax.Array]:
-  """Mean and Bessel variance (``n - 1``, at least 1) of the last ``count``
-  values of ``window``, as MaxText's ``_compute_rolling_stats``.
+  """Mean and Bessel standard deviation (``n - 1``, at least 1) of the
+  last ``count`` values of ``window``, as MaxText's
+  ``_compute_rolling_stats``.
 
-  Computed on the values divided by a power of two near their largest
-  magnitude (exact: the same roundings), so that neither the sum nor the
-  squares overflow; the variance saturates at the largest float.
+  Computed in the values' ``running.frame`` (exact: the same roundings),
+  so that neither the sum nor the squares over- or underflow; the standard
+  deviation saturates at the largest float.
   """
   size = window.shape[0]
   valid = jnp.arange(size) >= size - count
-  _, exponent = jnp.frexp(jnp.max(jnp.where(valid, jnp.abs(window), 0)))
-  scale = jnp.ldexp(jnp.ones([], window.dtype), exponent)
+  scale = running.frame(jnp.where(valid, window, 0))
   scaled = jnp.where(valid, window / scale, 0)
   n = count.astype(window.dtype)
   mean = jnp.sum(scaled) / jnp.maximum(n, 1)
   var = (jnp.sum(jnp.where(valid, jnp.square(scaled - mean), 0)) /
          jnp.maximum(n - 1, 1))
-  return mean * scale, running.saturate(var * scale * scale)
+  return mean * scale, running.saturate(running.safe_sqrt(var) * scale)
 
 
 def window_verdict(stats: Running, value: jax.Array, *,
@@ -203,8 +209,8 @@ def window_feed(stats: Running, value: jax.Array) -> Running:
                      stats.window)
   count = jnp.where(finite, jnp.minimum(stats.count + 1, window.shape[0]),
                     stats.count).astype(jnp.int32)
-  mean, var = window_moments(window, count)
-  return stats._replace(mean=mean, var=var, count=count, window=window)
+  mean, std = window_moments(window, count)
+  return stats._replace(mean=mean, std=std, count=count, window=window)
 
 
 def default_warmup(stats: Running) -> int:
