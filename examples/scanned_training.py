@@ -8,7 +8,7 @@ The optimizer is ``optax.chain(oc.clip_by_global_norm(1.0, leaf_norms=True,
 layer_axis=...), optax.adamw(...))``: ``layer_axis`` marks axis 0 of the
 stacked block parameters, so the clip's state keeps one norm per layer of
 each stacked leaf, and ``oc.stats`` reports them as
-``clip/leaf_norm/blocks/<path>/<layer>``. Each step's stats are read inside
+``clip/layer_norm/blocks/<path>/<layer>``. Each step's stats are read inside
 the jitted step; the plot shows, per layer, the gradient norm of the whole
 block (the root of the sum of its leaves' squared norms), with the global
 norm and the threshold, on a log scale.
@@ -89,8 +89,8 @@ def batches(seed: int, steps: int, batch: int) -> np.ndarray:
 
 def layer_norms(history: list[dict[str, float]], layers: int) -> list[list[float]]:
   """Per step, each layer's gradient norm: the root of the sum of the
-  squared per-layer leaf norms ``clip/leaf_norm/blocks/.../<layer>``."""
-  pattern = re.compile(r"^clip/leaf_norm/blocks/.+/(\d+)$")
+  squared per-layer leaf norms ``clip/layer_norm/blocks/.../<layer>``."""
+  pattern = re.compile(r"^clip/layer_norm/blocks/.+/(\d+)$")
   out = []
   for row in history:
     squares: dict[int, float] = collections.defaultdict(float)

@@ -173,12 +173,14 @@ def check_ord(fn: str, value: Any, arg: str = "ord") -> Any:
 def check_choice(fn: str, arg: str, value: Any, choices: Sequence[str]) -> str:
   if not isinstance(value, str) or value not in choices:
     options = ", ".join(repr(c) for c in choices)
+    check_static(fn, arg, value, f"one of {options}")
     raise ValueError(f"{_where(fn, arg)} must be one of {options}, got {value!r}")
   return value
 
 
 def check_bool(fn: str, arg: str, value: Any) -> bool:
   if not isinstance(value, (bool, np.bool_)):
+    check_static(fn, arg, value, "True or False")
     raise TypeError(f"{_where(fn, arg)} must be a bool (True or False), got "
                     f"{value!r:.80} of type {type(value).__name__}")
   return bool(value)
@@ -186,6 +188,7 @@ def check_bool(fn: str, arg: str, value: Any) -> bool:
 
 def check_axis_name(fn: str, value: Any) -> tuple[Any, ...]:
   """``axis_name`` as a tuple of mesh axis names (empty when None)."""
+  check_static(fn, "axis_name", value, "a mesh axis name or a tuple of them")
   if value is None:
     return ()
   names = value if isinstance(value, (tuple, list)) else (value,)
@@ -284,56 +287,90 @@ def is_layer_axis(x: Any) -> bool:
                        and not isinstance(x, (bool, np.bool_)))
 
 
-def _scheduled_by_inject_hyperparams(arg: str) -> bool:
-  """Whether the transform being built gets ``arg`` from a callable that
-  ``optax.inject_hyperparams`` took for a schedule.
+# optax.inject_hyperparams builds the transform inside these functions of
+# schedules/_inject.py, with the factory's arguments in `hparams` and the
+# scheduled ones' names in `sched_hps` (tests/test_arguments.py pins both).
+_INJECT_FUNCTIONS = ("init_fn", "update_fn")
+_INJECT_FILE = os.path.join("schedules", "_inject.py")
 
-  inject_hyperparams calls every callable argument not in ``static_args``
-  with the step count and passes the result on, so a callable of the
-  gradients (``groups=``, ``layer_axis=``) would silently become whatever
-  it returns for a scalar. The result cannot tell; the builder's caller
-  can: inject_hyperparams's ``init_fn``/``update_fn`` hold the scheduled
-  arguments in ``sched_hps``. Reading a private frame only ever adds an
-  error: if optax renames these, the check finds nothing (a test pins it).
+
+def _injected() -> tuple[dict[str, Any], set[str]]:
+  """What ``optax.inject_hyperparams`` passes to the factory that is
+  building a transform now (argument -> value), and the names it computed
+  by calling them as schedules; empty outside inject_hyperparams.
+
+  Reading a private frame only ever adds an error: if optax renames these,
+  nothing is found and only arrays are refused.
   """
-  frame = sys._getframe(2)
-  for _ in range(12):  # the builder, its helpers and a user's wrapper
+  frame = sys._getframe(1)
+  for _ in range(24):  # the checks, the builder, a user's factory and wrappers
     if frame is None:
-      return False
+      break
     code = frame.f_code
-    if (code.co_name in ("init_fn", "update_fn")
-        and code.co_filename.endswith(os.path.join("schedules", "_inject.py"))):
-      scheduled = frame.f_locals.get("sched_hps")
-      return isinstance(scheduled, dict) and arg in scheduled
+    if code.co_name in _INJECT_FUNCTIONS and code.co_filename.endswith(_INJECT_FILE):
+      hparams, scheduled = frame.f_locals.get("hparams"), frame.f_locals.get("sched_hps")
+      if isinstance(hparams, dict) and isinstance(scheduled, dict):
+        return hparams, set(scheduled)
+      break
     frame = frame.f_back
-  return False
+  return {}, set()
 
 
-def check_not_scheduled(fn: str, arg: str) -> None:
-  """A TypeError when ``arg``, a tree or a callable of the gradients, came
-  through ``optax.inject_hyperparams`` as a schedule (see above)."""
-  if _scheduled_by_inject_hyperparams(arg):
-    raise TypeError(
-        f"{_where(fn, arg)} is a callable, which optax.inject_hyperparams "
-        f"calls as a schedule of the step count (not of the gradients), so the "
-        f"transform would get what it returns for a scalar. List it in "
-        f"static_args: optax.inject_hyperparams(optaxclip.{fn}, "
-        f"static_args=({arg!r},))")
+def _is_number(value: Any) -> bool:
+  """Whether ``value`` can be what a schedule of the step count returns."""
+  return isinstance(value, (jax.Array, np.ndarray, np.generic)) or (
+      isinstance(value, numbers.Number) and not isinstance(value, bool))
+
+
+def check_static(fn: str, arg: str, value: Any, expected: str) -> None:
+  """A structural argument (the axes norms keep, labels, mesh axes, modes):
+  static Python values, else a TypeError naming ``arg`` and ``static_args``.
+
+  ``optax.inject_hyperparams`` rebuilds the transform with every number it
+  was given as an array and every callable not in ``static_args`` replaced
+  by what it returns for the step count, under whatever name the user's
+  factory gives them. So refused are: an array or tracer anywhere in
+  ``value``; a value (or leaf) that is one inject_hyperparams scheduled; and,
+  while it builds the transform, any scheduled value that is not a number
+  (a callable of the gradients called on a count), wherever it goes.
+  """
+  hparams, scheduled = _injected()
+  for part in [value, *jax.tree.leaves(value, is_leaf=lambda x: x is None)]:
+    name = next((k for k, v in hparams.items() if v is part), None)
+    if name in scheduled and part is not None and not isinstance(part, bool):
+      raise TypeError(
+          f"{_where(fn, arg)} must be static Python values ({expected}), got "
+          f"{part!r:.60}, what optax.inject_hyperparams computed by calling "
+          f"`{name}` as a schedule of the step count (it calls every callable "
+          f"not in static_args); list it in static_args=({name!r},)")
+    if isinstance(part, (jax.Array, np.ndarray)):
+      fix = (f"optax.inject_hyperparams passes `{name}` as an array: list it "
+             f"in static_args=({name!r},)" if name else
+             "under optax.inject_hyperparams, list the factory's argument that "
+             "carries it in static_args")
+      raise TypeError(
+          f"{_where(fn, arg)} must be static Python values ({expected}), got "
+          f"{'a traced' if is_traced(part) else 'an'} array {part!r:.60}; {fix}")
+  for name in sorted(scheduled):
+    if not _is_number(hparams.get(name)):
+      raise TypeError(
+          f"`{fn}`: optax.inject_hyperparams called `{name}` as a schedule of "
+          f"the step count (it calls every callable not in static_args) and got "
+          f"{hparams.get(name)!r:.60}, not a number. A callable of the gradients "
+          f"(as `layer_axis=` or `groups=`) or any structural argument must "
+          f"reach {fn} as static Python values: list it in "
+          f"static_args=({name!r},)")
 
 
 def check_layer_axis(fn: str, layer_axis: Any) -> Any:
   """``layer_axis``: None, an int, a tree prefix with int or None leaves,
   or a callable returning one; whether it fits the gradients is only known
   at ``update``."""
-  check_not_scheduled(fn, "layer_axis")
-  if callable(layer_axis) and not isinstance(layer_axis, jax.Array):
+  check_static(fn, "layer_axis", layer_axis,
+               "ints or None, or a callable of the gradients returning them")
+  if callable(layer_axis):
     return layer_axis
   for axis in jax.tree.leaves(layer_axis, is_leaf=is_layer_axis):
-    if isinstance(axis, (np.ndarray, jax.Array)):
-      raise TypeError(
-          f"{_where(fn, 'layer_axis')} chooses the axes the norms keep and "
-          f"must be static: ints or None; with optax.inject_hyperparams list "
-          f"it in static_args (static_args=('layer_axis',)), got {axis!r:.80}")
     if not is_layer_axis(axis):
       raise TypeError(
           f"{_where(fn, 'layer_axis')} must hold ints (the axis that stacks "

@@ -291,13 +291,74 @@ LAYER_BUILDERS = {
 }
 
 
-@pytest.mark.parametrize("name", LAYER_BUILDERS)
-def test_injected_callable_layer_axis_is_refused_with_the_fix(name):
-  builder, kwargs = LAYER_BUILDERS[name]
-  tx = optax.inject_hyperparams(builder)(layer_axis=_every_3d, **kwargs)
-  with pytest.raises(TypeError, match=rf"`{name}\(layer_axis=\.\.\.\)` is a callable.*"
-                                      r"static_args=\('layer_axis',\)"):
+# Every structural argument of every transform (the axes norms keep, labels,
+# mesh axes, modes): under optax.inject_hyperparams, what a number or a
+# schedule becomes never reaches one, whatever the factory calls it (issue 27).
+STRUCTURAL = {
+    "clip_by_norm": ("layer_axis", "axis_name", "specs", "nonfinite", "leaf_norms"),
+    "clip_by_global_norm": ("layer_axis", "groups", "axis_name", "specs", "nonfinite",
+                            "leaf_norms"),
+    "clip_grad_norm": ("layer_axis", "axis_name", "specs", "leaf_norms",
+                       "error_if_nonfinite"),
+    "clip_by_block_rms": ("layer_axis", "axis_name", "specs"),
+    "adaptive_grad_clip": ("layer_axis", "axis", "axis_name", "specs"),
+    "adagc": ("layer_axis", "axis_name", "specs"),
+    "zclip": ("layer_axis", "axis_name", "specs", "leaf_norms", "mode", "clip_option",
+              "skip_update_on_spike"),
+    "auto_clip": ("axis_name", "specs"),
+    "skip_step": ("layer_axis", "axis_name", "specs", "leaf_norms", "nonfinite",
+                  "two_sided", "update_norm"),
+    "dynamic_loss_scale": ("axis_name", "consecutive_hysteresis",
+                           "raise_error_at_min_scale"),
+}
+BUILDERS = {**LAYER_BUILDERS, "clip_grad_norm": (oc.clip_grad_norm, {"max_norm": 1.0}),
+            "auto_clip": (oc.auto_clip, {"history": 4}),
+            "dynamic_loss_scale": (oc.dynamic_loss_scale, {})}
+# What inject_hyperparams makes of the value it is given: a number becomes an
+# array; a callable becomes what it returns for the step count.
+CARRIED = {"a number": 0, "a callable returning an int": lambda tree: 1,
+           "a callable returning None": _every_3d}
+
+
+@pytest.mark.parametrize("name, arg", [(name, arg) for name, args in STRUCTURAL.items()
+                                       for arg in args])
+def test_injected_structural_arguments_are_refused_whatever_their_name(name, arg):
+  builder, kwargs = BUILDERS[name]
+  for what, carried in CARRIED.items():
+    for factory_arg in (arg, "carried"):  # the builder's own name, and another
+      factory = lambda carried, arg=arg: builder(**{**kwargs, arg: carried})  # noqa: E731
+      inject = optax.inject_hyperparams(builder if factory_arg == arg else factory)
+      tx = inject(**({**kwargs, arg: carried} if factory_arg == arg else {"carried": carried}))
+      names = (rf"`{name}\({arg}=\.\.\.\)` must be static Python values"
+               if what != "a callable returning None" else rf"`{name}`: .*`layer_axis=`")
+      with pytest.raises(TypeError, match=rf"{names}.*static_args=\('{factory_arg}',\)"):
+        tx.init(STACK)
+
+
+def _issue_27_factory(learning_rate, max_norm, per_layer):
+  return optax.chain(oc.clip_by_norm(max_norm, layer_axis=per_layer), optax.sgd(learning_rate))
+
+
+@pytest.mark.parametrize("per_layer", [0, _every_3d], ids=["int", "callable"])
+def test_issue_27_factory_is_refused_or_clips_per_layer_with_static_args(per_layer):
+  # The issue's user factory: a callable clipped layer 0 by 0.005 (the whole
+  # stack's norm, 200), not by 0.5 (its own, 2). Listed in static_args, each
+  # layer is clipped by its own norm, and max_norm stays injectable.
+  tx = optax.inject_hyperparams(_issue_27_factory)(
+      learning_rate=0.1, max_norm=1.0, per_layer=per_layer)
+  with pytest.raises(TypeError, match=r"layer_axis.*static_args=\('per_layer',\)"):
     tx.init(STACK)
+  tx = optax.inject_hyperparams(_issue_27_factory, static_args=("per_layer",))(
+      learning_rate=0.1, max_norm=1.0, per_layer=per_layer)
+  update = jax.jit(tx.update)
+  state = tx.init(STACK)
+  updates, state = update(STACK, state, STACK)
+  factors = updates["w"] / (-0.1 * STACK["w"])
+  np.testing.assert_allclose(factors[:, 0, 0], [0.5, 0.005], rtol=1e-6)
+  state.hyperparams["max_norm"] = jnp.asarray(2.0, state.hyperparams["max_norm"].dtype)
+  updates, _ = update(STACK, state, STACK)
+  factors = updates["w"] / (-0.1 * STACK["w"])
+  np.testing.assert_allclose(factors[:, 0, 0], [1.0, 0.01], rtol=1e-6)
 
 
 @pytest.mark.parametrize("builder, arg", [

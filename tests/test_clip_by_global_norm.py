@@ -573,7 +573,7 @@ def test_groups_with_one_number_and_leaf_norms():
       np.testing.assert_allclose(f64(named_leaves(out)[name]),
                                  f64(named_leaves(grads)[name]) * np_factor(norm, 1.0),
                                  rtol=2e-6)
-  assert "clip/leaf_norm/layers/attn/kernel/3" in oc.stats(state)
+  assert "clip/layer_norm/layers/attn/kernel/3" in oc.stats(state)
 
 
 def test_a_group_without_a_limit_fails_at_init_naming_it():

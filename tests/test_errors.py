@@ -370,9 +370,9 @@ BAD_ARGUMENTS = [
          r"got '0' of type str"),
         ({"w": 1.5}, TypeError, r" must hold ints .* or None, got 1.5 of type float"),
         (True, TypeError, r" must hold ints .* or None, got True of type bool"),
-        (jnp.array(0), TypeError, r" chooses the axes the norms keep and must be static: "
-         r"ints or None; with optax.inject_hyperparams list it in static_args "
-         r"\(static_args=\('layer_axis',\)\), got Array\(0")]),
+        (jnp.array(0), TypeError, r" must be static Python values \(ints or None, .*\), "
+         r"got an array Array\(0.*; under optax.inject_hyperparams, list the "
+         r"factory's argument that carries it in static_args")]),
     *[(name, {"layer_axis": 1}, ValueError, rf"`{_name(name)}\(layer_axis=1\)` is out "
        r"of range for leaf \['b'\] of shape \(3,\); give None for leaves that")
       for name in ("F.clip_by_block_rms", "F.adaptive_grad_clip")],
@@ -389,7 +389,9 @@ BAD_ARGUMENTS = [
     ("F.unitwise_norm", {"axis": 2}, ValueError,
      r"`unitwise_norm\(axis=\(2,\)\)` is out of range for x of shape \(2, 3\)"),
     *_rows(["F.unitwise_norm"], "axis", [
-        (1.5, TypeError, r" must be None, an int or a tuple of ints, got 1.5")]),
+        (1.5, TypeError, r" must be None, an int or a tuple of ints, got 1.5"),
+        (jnp.array(1), TypeError, r" must be static Python values \(None, an int or a "
+         r"tuple of ints\), got an array Array\(1.*static_args")]),
     *[("F.unitwise_clip", {arg: jnp.ones(3)}, ValueError,
        rf"`unitwise_clip\({arg}=\.\.\.\)` must have grad's shape \(2, 3\), got "
        r"\(3,\); unitwise_norm\(grad\) gives norms in that shape")

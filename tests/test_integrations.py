@@ -208,9 +208,8 @@ def test_nnx_scan_layer_norms_and_step_match_unscanned_twin(clip):
 
   # One norm per layer of each stacked leaf, equal to the twin's per-leaf
   # norm of that layer and to numpy's norm of the twin's gradient leaf.
-  layer_keys = [k for k in stats if k.startswith("clip/leaf_norm/blocks/")]
-  # kernel and bias, per layer, and each stack's whole norm
-  assert len(layer_keys) == 2 * SCAN_LAYERS + 2
+  layer_keys = [k for k in stats if k.startswith("clip/layer_norm/blocks/")]
+  assert len(layer_keys) == 2 * SCAN_LAYERS  # kernel and bias, per layer
   for name in ("kernel", "bias"):
     np.testing.assert_allclose(
         stats[f"clip/leaf_norm/blocks/lin/{name}"],
@@ -219,7 +218,7 @@ def test_nnx_scan_layer_norms_and_step_match_unscanned_twin(clip):
   for i in range(SCAN_LAYERS):
     for name in ("kernel", "bias"):
       reference = np_norm([twin_grads["blocks"][i]["lin"][name]])
-      scanned_norm = stats[f"clip/leaf_norm/blocks/lin/{name}/{i}"]
+      scanned_norm = stats[f"clip/layer_norm/blocks/lin/{name}/{i}"]
       np.testing.assert_allclose(scanned_norm, reference, rtol=1e-5)
       np.testing.assert_allclose(scanned_norm,
                                  twin_stats[f"clip/leaf_norm/blocks/{i}/lin/{name}"],
@@ -317,9 +316,8 @@ def test_linen_scan_layer_norms_and_step_match_unscanned_twin(clip):
   # One norm per layer of each stacked leaf (keys end in the layer index),
   # equal to numpy's norm of the twin's gradient leaf and to the twin's stat.
   twin_grad_leaves = twin_grads["params"]
-  layer_keys = [k for k in stats if k.startswith("clip/leaf_norm/params/blocks/")]
-  # kernel and bias, per layer, and each stack's whole norm
-  assert len(layer_keys) == 2 * SCAN_LAYERS + 2
+  layer_keys = [k for k in stats if k.startswith("clip/layer_norm/params/blocks/")]
+  assert len(layer_keys) == 2 * SCAN_LAYERS  # kernel and bias, per layer
   for name in ("kernel", "bias"):
     np.testing.assert_allclose(
         stats[f"clip/leaf_norm/params/blocks/lin/{name}"],
@@ -327,7 +325,7 @@ def test_linen_scan_layer_norms_and_step_match_unscanned_twin(clip):
                  for i in range(SCAN_LAYERS)]), rtol=1e-5)
   for i in range(SCAN_LAYERS):
     for name in ("kernel", "bias"):
-      scanned_norm = stats[f"clip/leaf_norm/params/blocks/lin/{name}/{i}"]
+      scanned_norm = stats[f"clip/layer_norm/params/blocks/lin/{name}/{i}"]
       np.testing.assert_allclose(
           scanned_norm, np_norm([twin_grad_leaves[f"blocks_{i}"]["lin"][name]]),
           rtol=1e-5)

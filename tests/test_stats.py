@@ -7,7 +7,10 @@ The statistics of each transform's own state are checked in its file (each
 test_integrations.py.
 """
 
+import collections
 import dataclasses
+import math
+import re
 from typing import NamedTuple
 
 import jax
@@ -101,14 +104,14 @@ def test_stats_keys_name_every_leaf_and_layer():
                                           layer_axis=LAYER_AXIS), optax.sgd(0.1))
   _, state = run_once(tx, grads)
   found = oc.stats(state)
-  leaf_keys = sorted(k for k in found if "/leaf_norm/" in k)
+  leaf_keys = sorted(k for k in found if "_norm/" in k)
   stacks = ["layers/attn/kernel", "layers/mlp/0", "layers/mlp/1"]
   assert leaf_keys == sorted(
-      [f"clip/leaf_norm/{stack}/{i}" for stack in stacks for i in range(4)]
+      [f"clip/layer_norm/{stack}/{i}" for stack in stacks for i in range(4)]
       + [f"clip/leaf_norm/{stack}" for stack in stacks]  # the whole stack's
       + ["clip/leaf_norm/emb", "clip/leaf_norm/bias"])
   kernel = np_leaf_norm(grads["layers"]["attn"]["kernel"], 2, 0)
-  np.testing.assert_allclose(found["clip/leaf_norm/layers/attn/kernel/3"], kernel[3],
+  np.testing.assert_allclose(found["clip/layer_norm/layers/attn/kernel/3"], kernel[3],
                              rtol=1e-6)
   assert all(v.shape == () for v in found.values())
 
@@ -133,9 +136,9 @@ def test_stats_keys_of_attributes_and_named_tuples():
   tx = oc.clip_by_norm(1.0, leaf_norms=True, layer_axis={"block": Block(0, None),
                                                          "pair": None, "list": None})
   _, state = run_once(tx, grads)
-  assert sorted(k for k in oc.stats(state) if "leaf_norm" in k) == [
-      "clip/leaf_norm/block/kernel", "clip/leaf_norm/block/kernel/0",
-      "clip/leaf_norm/block/kernel/1",
+  assert sorted(k for k in oc.stats(state) if "_norm/" in k) == [
+      "clip/layer_norm/block/kernel/0", "clip/layer_norm/block/kernel/1",
+      "clip/leaf_norm/block/kernel",
       "clip/leaf_norm/block/scale", "clip/leaf_norm/list/0",
       "clip/leaf_norm/pair/first", "clip/leaf_norm/pair/second"]
 
@@ -287,10 +290,37 @@ def test_stacked_leaves_keep_their_whole_norm_beside_each_layer(make, ord_scale)
   tx = make()
   _, state = tx.update(grads, tx.init(grads), grads)
   stats = oc.stats(state)
-  prefix = next(k for k in stats if k.endswith("leaf_norm/w/0"))[:-len("/0")]
+  name = next(k for k in stats if k.endswith("/layer_norm/w/0"))[:-len("/layer_norm/w/0")]
   exact = np.linalg.norm(w.astype(np.float64))
-  np.testing.assert_allclose(float(stats[prefix]), exact, rtol=1e-6)
+  np.testing.assert_allclose(float(stats[f"{name}/leaf_norm/w"]), exact, rtol=1e-6)
   for i in range(3):
-    np.testing.assert_allclose(float(stats[f"{prefix}/{i}"]),
+    np.testing.assert_allclose(float(stats[f"{name}/layer_norm/w/{i}"]),
                                np.linalg.norm(w[i].astype(np.float64)), rtol=1e-6)
-  assert f"{prefix[:-1]}b" in stats and f"{prefix[:-1]}b/0" not in stats
+  assert f"{name}/leaf_norm/b" in stats and f"{name}/layer_norm/b/0" not in stats
+
+
+def test_layers_of_list_held_stacks_are_never_read_from_list_indices():
+  # Issue 27: two stacks in a list. Their whole norms sat at
+  # `leaf_norm/layers/w/<list index>` beside `.../<list index>/<layer>`, and
+  # docs/logging.md's recipe counted stack 1's whole norm as layer 1 (and
+  # stack 0's as layer 0): {0: 5.48, 1: 9.49}. Layers now have keys of their own.
+  stacks = [np.array([[1.0, 1.0], [2.0, 2.0]]), np.array([[3.0, 3.0], [4.0, 4.0]])]
+  grads = {"layers": {"w": [jnp.asarray(s, jnp.float32) for s in stacks]}}
+  tx = oc.clip_by_global_norm(1.0, leaf_norms=True, layer_axis=0)
+  _, state = tx.update(grads, tx.init(grads))
+  stats = oc.stats(state)
+  assert sorted(k for k in stats if "_norm/" in k) == [
+      "clip/layer_norm/layers/w/0/0", "clip/layer_norm/layers/w/0/1",
+      "clip/layer_norm/layers/w/1/0", "clip/layer_norm/layers/w/1/1",
+      "clip/leaf_norm/layers/w/0", "clip/leaf_norm/layers/w/1"]
+  squares = collections.Counter()
+  for key, value in stats.items():  # docs/logging.md's recipe
+    found = re.fullmatch(r"clip/layer_norm/.+/(\d+)", key)
+    if found:
+      squares[int(found[1])] += float(value) ** 2
+  layers = {i: math.sqrt(squares[i]) for i in sorted(squares)}
+  np.testing.assert_allclose(list(layers), [0, 1])
+  np.testing.assert_allclose(list(layers.values()), [math.sqrt(20), math.sqrt(40)],
+                             rtol=1e-6)  # 4.47, 6.32
+  np.testing.assert_allclose(float(stats["clip/leaf_norm/layers/w/1"]), math.sqrt(50),
+                             rtol=1e-6)

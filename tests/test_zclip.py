@@ -346,7 +346,8 @@ def test_zclip_keeps_leaf_norms(layer_axis):
   state = run(tx, grads)[1]
   assert_norm_tree(state.leaf_norms, expected_norm_tree(grads, 2, layer_axis is not None))
   np.testing.assert_allclose(state.norm, norm_of_named(grads), rtol=2e-6)
-  keys = [k for k in oc.stats(state) if "/leaf_norm/" in k]
-  assert keys and all(k.startswith("zclip/leaf_norm/") for k in keys)
+  keys = [k for k in oc.stats(state) if "_norm/" in k]
+  assert keys and all(k.startswith(("zclip/leaf_norm/", "zclip/layer_norm/")) for k in keys)
+  assert any("/layer_norm/" in k for k in keys) == (layer_axis is not None)
   # Off by default: nothing kept.
   assert oc.zclip().init(grads).leaf_norms is None

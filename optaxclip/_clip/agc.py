@@ -73,13 +73,9 @@ Axis = int | tuple[int, ...] | None
 
 
 def _check_axis(fn: str, axis: Axis) -> tuple[int, ...] | None:
+  _validation.check_static(fn, "axis", axis, "None, an int or a tuple of ints")
   if axis is None:
     return None
-  if isinstance(axis, jax.Array):
-    raise TypeError(
-        f"`{fn}(axis=...)` chooses the reduction axes and must be static; "
-        f"with optax.inject_hyperparams list it in static_args "
-        f"(static_args=('axis',)), got a traced {axis!r}")
   axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
   if not all(isinstance(a, numbers.Integral)
              and not isinstance(a, (bool, np.bool_)) for a in axes):

@@ -225,8 +225,9 @@ def clip_by_norm(max_norm: Scalar, *, ord: Ord = 2, eps: Scalar = 0.0,
       Inf norm does (as in ``clip_by_global_norm``).
     layer_axis: the axis that stacks scanned layers (an int, or a tree
       prefix of int or None): each layer's slice is clipped on its own.
-    leaf_norms: keep every leaf's (or layer's) norm in the state
-      (``clip/leaf_norm/<path>[/<layer>]`` in ``optaxclip.stats``).
+    leaf_norms: keep every leaf's (and layer's) norm in the state
+      (``clip/leaf_norm/<path>``, ``clip/layer_norm/<path>/<layer>`` in
+      ``optaxclip.stats``).
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a ``ClipState``.
@@ -274,8 +275,8 @@ def clip_by_global_norm(max_norm: Scalar | dict[str, Scalar], *, ord: Ord = 2,
     leaf_norms: keep every leaf's norm in the state, from the same pass
       (``clip/leaf_norm/<path>`` in ``optaxclip.stats``).
     layer_axis: with ``leaf_norms``, the axis that stacks scanned layers (an
-      int, or a tree prefix of int or None): one norm per layer, and the
-      stack's whole norm.
+      int, or a tree prefix of int or None): one norm per layer
+      (``clip/layer_norm/<path>/<layer>``), and the stack's whole norm.
     groups: labels (a tree prefix of strings, as ``optax.partition``'s, or a
       callable of the updates): each group is clipped by its own norm, from
       one pass; the state is then a ``GroupClipState`` (``clip/<label>/...``).

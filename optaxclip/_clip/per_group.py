@@ -38,7 +38,8 @@ def _check_label(fn: str, label: Any) -> None:
 def check_labels(fn: str, groups: Any) -> Any:
   """``groups``: a callable, or a tree of strings (else a TypeError when the
   transform is built; whether it fits the gradients is known at ``init``)."""
-  _validation.check_not_scheduled(fn, "groups")
+  _validation.check_static(fn, "groups", groups, "string labels, or a callable "
+                           "of the gradients returning them")
   if not callable(groups):
     for label in jax.tree.leaves(groups, is_leaf=lambda x: isinstance(x, str)):
       _check_label(fn, label)

@@ -51,6 +51,7 @@ class Where(NamedTuple):
   def of(cls, fn: str, axis_name: Any = None, specs: PyTree = None) -> "Where":
     """``axis_name`` and ``specs`` checked, once, where a transform is built."""
     axis_names = _validation.check_axis_name(fn, axis_name)
+    _validation.check_static(fn, "specs", specs, "PartitionSpecs or None")
     if specs is not None and not axis_names:
       raise ValueError(
           f"`{fn}(specs=...)` needs `axis_name`: specs say how leaves are split "

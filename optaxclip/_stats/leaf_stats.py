@@ -5,7 +5,9 @@ structure (None where a leaf is not clippable): a scalar per leaf, or with
 ``layer_axis`` a vector with one norm per layer, and then the stacked
 leaf's whole norm too (``stack_norms``: the norm of its layers' norms, the
 same partial sums). ``optaxclip.stats`` names each entry by its tree path,
-``<transform>/leaf_norm/<key>/<key>/...``, with ``/<i>`` for layer ``i``:
+``<transform>/leaf_norm/<key>/<key>/...`` (a stacked leaf's whole norm) and
+``<transform>/layer_norm/<key>/<key>/.../<i>`` for its layer ``i`` (a
+separate name, so that a sequence index is never read as a layer):
 dict keys, sequence indices and attribute names, in tree order, a ``/`` in
 a key written ``%2F`` (and ``%`` as ``%25``) so that keys stay one per
 leaf, and the ``.value`` of a flax.nnx Variable left out
@@ -71,21 +73,20 @@ def _paths(tree: PyTree) -> dict[str, jax.Array]:
   return out
 
 
-def entries(norms: PyTree, stacks: PyTree = None,
-            name: str = "leaf_norm") -> dict[str, jax.Array]:
-  """Flat ``stats`` entries ``name/<path>`` (and ``name/<path>/<i>`` per
-  layer) of a leaf-norm tree; none for None."""
+def entries(norms: PyTree, stacks: PyTree = None) -> dict[str, jax.Array]:
+  """Flat ``stats`` entries of a leaf-norm tree: ``leaf_norm/<path>``, one
+  per leaf (a stacked leaf's whole norm), and ``layer_norm/<path>/<i>`` per
+  layer of a stacked leaf; none for None."""
   if norms is None:
     return {}
   out = {}
   totals = _paths(stacks) if stacks is not None else {}
   for path, value in _paths(norms).items():
-    key = "/".join(filter(None, [name, path]))
-    if value.ndim == 0:
-      out[key] = value
-      continue
-    if path in totals:
-      out[key] = totals[path]
-    for i in range(value.shape[0]):
-      out[f"{key}/{i}"] = value[i]
+    # Layers under their own name: a list index in a path ("mlp/1") is
+    # never read as a layer ("mlp/0/1"), whatever the tree holds.
+    whole = value if value.ndim == 0 else totals.get(path)
+    if whole is not None:
+      out["/".join(filter(None, ["leaf_norm", path]))] = whole
+    for i in range(value.shape[0] if value.ndim else 0):
+      out["/".join(filter(None, ["layer_norm", path, str(i)]))] = value[i]
   return out
