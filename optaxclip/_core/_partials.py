@@ -74,14 +74,12 @@ def _power(y: jax.Array, p: float) -> jax.Array:
   return jnp.where(positive, jnp.where(positive, y, 1) ** p, 0)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _combined(parts: tuple[jax.Array, ...], order: tuple[int, ...],
-              p: float) -> jax.Array:
-  acc = jnp.result_type(*parts)
-  norms = jnp.concatenate([part.astype(acc) for part in parts])
-  if not norms.size:
-    return jnp.zeros([], acc)
-  norms = norms[np.asarray(order)]
+@functools.partial(jax.jit, static_argnums=2)
+def _combined(norms: jax.Array, order: jax.Array, p: float) -> jax.Array:
+  """``combined_norm`` of the concatenated leaf norms, compiled once per
+  count, dtype and order ``p`` (not per split into stages)."""
+  acc = norms.dtype
+  norms = norms[order]
   if p == math.inf:
     return jnp.max(norms)
   top = jnp.max(_exact.magnitude_bits(norms))  # NaN above Inf above the rest
@@ -104,4 +102,8 @@ def combined_norm(parts: list[jax.Array], order: tuple[int, ...], p: float
   concatenated and taken in ``order`` (a permutation, the canonical order
   of their leaves), reduced in a fixed order; NaN, Inf and 0 as a sum of
   powers gives them."""
-  return _combined(tuple(parts), order, p)
+  acc = jnp.result_type(*parts)
+  norms = jnp.concatenate([part.astype(acc) for part in parts])
+  if not norms.size:
+    return jnp.zeros([], acc)
+  return _combined(norms, jnp.asarray(order, jnp.int32), p)
