@@ -21,7 +21,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from optaxclip import _tree
