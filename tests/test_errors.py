@@ -61,6 +61,8 @@ FUNCTIONS = {
     "F.unitwise_clip": lambda **k: F.unitwise_clip(**{
         "g_norm": GRADS["w"], "max_norm": GRADS["w"], "grad": GRADS["w"], **k}),
     "loss_scale": oc.loss_scale,
+    "partial_norm": lambda **k: F.partial_norm(**{"tree": GRADS, **k}),
+    "combine_norms": F.combine_norms,
 }
 
 
@@ -107,7 +109,7 @@ THRESHOLDS = ["clip_by_norm", "clip_by_global_norm", "clip_grad_norm",
               "per_example_clip_by_global_norm", "per_example_clip_by_layer_norm"]
 ORDERS = ["clip_by_norm", "clip_by_global_norm", "F.clip_by_norm",
           "F.clip_by_global_norm", "global_norm", "skip_step",
-          "per_example_clip_by_global_norm"]
+          "per_example_clip_by_global_norm", "partial_norm"]
 EPS = ["clip_by_norm", "clip_by_global_norm", "F.clip_by_norm",
        "F.clip_by_global_norm", "adaptive_grad_clip", "F.adaptive_grad_clip",
        "auto_clip", "zclip", "adagc"]
@@ -214,6 +216,11 @@ BAD_ARGUMENTS = [
     ] + NOT_A_NUMBER),
     *_rows(ORDERS + ["microbatch_guard"], "ord", ORD),
     *_rows(["clip_grad_norm"], "norm_type", ORD),
+    *_rows(["partial_norm"], "prefix", [
+        (1, TypeError, r" must be a str, got 1")]),
+    *_rows(["combine_norms"], "partials", [
+        ([], TypeError, r" must be a non-empty list of PartialNorm"),
+        ([1.0], TypeError, r" must be a non-empty list of PartialNorm")]),
     *_rows(EPS, "eps", NEGATIVE_FINITE),
     *_rows(["adaptive_grad_clip", "F.adaptive_grad_clip"], "clipping",
            NEGATIVE_FINITE + NOT_A_NUMBER[:3]),
@@ -517,7 +524,8 @@ def test_injected_hyperparameters_are_checked_at_init(name, kwargs, error, patte
 def test_every_public_name_is_in_the_table():
   named = {_name(name).replace("\\", "") for name, *_ in BAD_ARGUMENTS}
   public = set(oc.__all__) | set(F.__all__)
-  stateless = {"functional", "stats", "PerExampleClip", "NonFiniteGradientError"}
+  stateless = {"functional", "stats", "PerExampleClip", "NonFiniteGradientError",
+               "PartialNorm"}
   public = {n for n in public if not n.endswith("State") and n != "SkipStats"}
   assert public - stateless <= named, public - stateless - named
 

@@ -13,7 +13,8 @@ Inside (docs/design.md): ``_measure`` (``measure``, ``Measured``), ``_kept``
 ``_sums`` (powers, the plain power sums and the overflow rescue),
 ``_tangents`` (the derivative by formula), ``_exact`` (exact powers of
 two), ``_batching`` (small leaves grouped for compile time) and ``_mesh``
-(specs, the one all-reduce, layouts).
+(specs, the one all-reduce, layouts); ``_partials`` (pipeline stages'
+leaf norms, combined in one fixed order).
 """
 
 from optaxclip._core._kept import PER_LEAF as PER_LEAF
@@ -35,5 +36,7 @@ from optaxclip._core._measure import unit_shapes as unit_shapes
 from optaxclip._core._mesh import HERE as HERE
 from optaxclip._core._mesh import Where as Where
 from optaxclip._core._mesh import layout_spec as layout_spec
+from optaxclip._core._partials import combined_norm as combined_norm
+from optaxclip._core._partials import leaf_norms as leaf_norms
 from optaxclip._core._sums import any_in_batch as any_in_batch
 from optaxclip._core._sums import rescue_enabled as rescue_enabled

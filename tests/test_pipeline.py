@@ -1,0 +1,197 @@
+"""Pipeline stages (MPMD): ``partial_norm`` per stage, ``combine_norms``, and
+the clip of each stage by the combined norm (``use_norm`` / ``grad_norm``).
+
+References are written from the definition, ``(sum |x|**p) ** (1/p)`` over
+every leaf of every stage, in float64 numpy. Each stage runs as a ``jit``
+program of its own (the MPMD situation); the combination must give the same
+bits whatever the split into stages and the order the partials arrive in.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax import shard_map
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optaxclip as oc
+
+F = oc.functional
+ORDS = [1.0, 2.0, 3.0, 0.5, math.inf]
+
+
+def _tree() -> dict[str, jax.Array]:
+  """Mixed shapes and dtypes, huge (1e20) and tiny (1e-25) leaves, small
+  leaves of one shape that the one-program norm would group together (three
+  kinds of leaf: each compiles its norm once per order)."""
+  rng = np.random.default_rng(0)
+  def leaf(shape, dtype, scale=1.0):
+    return jnp.asarray(rng.normal(size=shape) * scale, dtype)
+  return {"a": leaf((4, 5), jnp.float32), "b": leaf((4, 5), jnp.float32, 1e20),
+          "c": leaf((6,), jnp.bfloat16), "d": leaf((4, 5), jnp.float32),
+          "e": leaf((3,), jnp.float16), "f": leaf((4, 5), jnp.float32, 1e-25),
+          "g": leaf((3,), jnp.float16), "h": leaf((6,), jnp.bfloat16, 1e20),
+          "i": jnp.arange(3)}  # an integer leaf: left out
+
+
+TREE = _tree()
+KEYS = sorted(TREE)
+# Leaves split into 2, 3 and 4 stages, in blocks and interleaved.
+SPLITS = [["abcd", "efghi"], ["aei", "bf", "cdgh"], ["ah", "bg", "cfi", "de"]]
+# Each stage a program of its own, as in a pipeline.
+_stage = jax.jit(F.partial_norm, static_argnames="ord")
+
+
+def _stages(split):
+  return [{k: TREE[k] for k in keys} for keys in split]
+
+
+def _reference(tree, p) -> float:
+  leaves = [np.abs(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.floating)]
+  if p == math.inf:
+    return max(float(x.max(initial=0)) for x in leaves)
+  return sum(float(np.sum(x ** p)) for x in leaves) ** (1 / p)
+
+
+def _bits(x) -> int:
+  return int(np.asarray(x, np.float32).view(np.int32))
+
+
+def _whole(p) -> jax.Array:
+  return F.combine_norms([F.partial_norm(TREE, p)])
+
+
+@pytest.mark.parametrize("ord", ORDS)
+def test_every_split_and_arrival_order_gives_the_same_bits(ord):
+  want = _whole(ord)
+  for split in SPLITS:  # eager stages: each leaf's norm compiled once
+    partials = [F.partial_norm(stage, ord) for stage in _stages(split)]
+    for arrival in (partials, partials[::-1], partials[1:] + partials[:1]):
+      assert _bits(F.combine_norms(arrival)) == _bits(want), (split, ord)
+  ref = np.float32(_reference(TREE, ord))
+  assert np.isfinite(want)
+  ulps = 2 * max(1, 1 / ord)  # the root's 1/p scales relative errors
+  assert abs(_bits(want) - _bits(ref)) <= ulps  # from float64
+  assert abs(_bits(want) - _bits(F.global_norm(TREE, ord=ord))) <= ulps
+  # Stages whose partial sums of powers overflow (torchtitan sums those)
+  # or fall below float32's normal range: leaves of TREE's kinds, compiled.
+  for scale in (3e19, 1e-39):
+    stages = [{f"w{i}": jnp.full((4, 5), scale * (i + 1))} for i in range(3)]
+    norm = F.combine_norms([F.partial_norm(s, ord) for s in stages[::-1]])
+    if scale < 1 and ord == math.inf:
+      assert norm == 0  # a max of subnormals reads as 0, as in global_norm
+      continue
+    assert _bits(norm) > 0 and np.isfinite(norm)  # a subnormal reads as 0
+    assert abs(_bits(norm) - _bits(np.float32(_reference(stages, ord)))) <= ulps
+
+
+@pytest.mark.parametrize("ord", ORDS)
+def test_nan_and_inf_propagate(ord):
+  partials = [F.partial_norm(stage, ord) for stage in _stages(SPLITS[0])]
+  for bad, want in ((jnp.nan, np.nan), (-jnp.inf, np.inf)):
+    stage = dict(_stages(SPLITS[0])[1], f=TREE["f"].at[1, 2].set(bad))
+    got = F.combine_norms([partials[0], F.partial_norm(stage, ord)])
+    np.testing.assert_equal(np.asarray(got), want)
+  both = [F.partial_norm({"a": TREE["a"].at[0, 0].set(jnp.inf)}, ord),
+          F.partial_norm({"b": TREE["b"].at[0, 0].set(jnp.nan)}, ord)]
+  assert np.isnan(F.combine_norms(both))
+
+
+@pytest.mark.parametrize("ord", [2.0])
+def test_stages_as_jitted_programs(ord):
+  partials = [_stage(stage, ord=ord) for stage in _stages(SPLITS[1])]
+  assert _bits(F.combine_norms(partials[::-1])) == _bits(_whole(ord))
+  combine = jax.jit(F.combine_norms)  # the combination in a program too
+  assert _bits(combine(partials)) == _bits(_whole(ord))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=len(KEYS), max_size=len(KEYS)),
+       st.permutations(range(4)), st.sampled_from([2.0, 0.5, math.inf]))
+def test_any_split_any_order(labels, arrival, ord):
+  split = [[k for k, label in zip(KEYS, labels) if label == s] for s in arrival]
+  partials = [F.partial_norm({k: TREE[k] for k in keys}, ord)
+              for keys in split]
+  assert _bits(F.combine_norms(partials)) == _bits(_whole(ord))
+
+
+def test_use_norm_clips_each_stage_as_the_whole_tree():
+  norm = _whole(2.0)
+  stages = _stages(SPLITS[1])
+  clipped = {}
+  for stage in stages:
+    clipped.update(F.clip_by_global_norm(stage, 1.0, use_norm=norm)[0])
+  whole, whole_norm = F.clip_by_global_norm(TREE, 1.0)
+  exact, _ = F.clip_by_global_norm(TREE, 1.0, use_norm=norm)
+  for k in KEYS:
+    np.testing.assert_array_equal(clipped[k], exact[k])
+    assert clipped[k].dtype == TREE[k].dtype
+    np.testing.assert_allclose(np.asarray(clipped[k], np.float64),
+                               np.asarray(whole[k], np.float64), rtol=1e-6)
+  np.testing.assert_allclose(norm, whole_norm, rtol=1e-6)
+  # The transform takes the combined norm as ``grad_norm``.
+  tx = oc.clip_by_global_norm(1.0)
+  updates, state = tx.update(stages[0], tx.init(stages[0]), grad_norm=norm)
+  for k, x in updates.items():
+    np.testing.assert_array_equal(x, exact[k])
+  np.testing.assert_array_equal(state.norm, norm)
+
+
+def test_partial_is_a_pytree_that_travels():
+  partial = _stage({"w": TREE["a"], "b": TREE["c"]}, ord=2.0)
+  assert jax.tree.leaves(partial) == [partial.norms]
+  assert partial.paths == ("['b']", "['w']") and partial.ord == 2.0
+  host = jax.device_get(partial)
+  assert isinstance(host.norms, np.ndarray)
+  other = F.partial_norm([TREE["d"]], prefix="head")
+  assert other.paths == ("head[0]",)
+  assert _bits(F.combine_norms([host, other])) == _bits(
+      F.combine_norms([partial, other]))
+  assert F.partial_norm({"i": jnp.arange(3)}).norms.shape == (0,)
+  assert F.combine_norms([F.partial_norm({})]) == 0
+
+
+def test_stage_split_over_devices_with_axis_name():
+  # A stage that is itself data parallel: its leaves split over 8 devices,
+  # one replicated (counted once).
+  mesh = jax.make_mesh((8,), ("d",))
+  stage = {"w": jnp.asarray(np.random.default_rng(1).normal(size=(16, 3)),
+                            jnp.float32), "b": jnp.arange(3.0)}
+  specs = {"w": P("d"), "b": P()}
+  placed = jax.device_put(stage, jax.tree.map(
+      lambda spec: NamedSharding(mesh, spec), specs))
+  measure = jax.jit(shard_map(
+      lambda t: F.partial_norm(t, axis_name="d", specs=specs), mesh=mesh,
+      in_specs=(specs,), out_specs=P()))
+  sharded = measure(placed)
+  other = F.partial_norm({"x": TREE["a"]})
+  got = F.combine_norms([sharded, other])
+  np.testing.assert_allclose(got, _reference([stage, TREE["a"]], 2.0),
+                             rtol=1e-6)
+  np.testing.assert_allclose(sharded.norms, F.partial_norm(stage).norms,
+                             rtol=1e-6)
+
+
+def test_bad_arguments():
+  a, b = F.partial_norm([jnp.ones(2)]), F.partial_norm([jnp.ones(3)])
+  with pytest.raises(ValueError, match=r"same path.*\[0\].*prefix"):
+    F.combine_norms([a, b])
+  with pytest.raises(ValueError, match="orders"):
+    F.combine_norms([a, F.partial_norm([jnp.ones(2)], 1, prefix="x")])
+  for bad in ([], None, [1.0], a):
+    with pytest.raises(TypeError, match=r"combine_norms\(partials"):
+      F.combine_norms(bad)
+  with pytest.raises(ValueError, match=r"partial_norm\(ord"):
+    F.partial_norm([jnp.ones(2)], 0)
+  with pytest.raises(TypeError, match=r"partial_norm\(ord.*constant"):
+    jax.jit(lambda p: F.partial_norm([jnp.ones(2)], p).norms)(2.0)
+  with pytest.raises(TypeError, match=r"partial_norm\(prefix"):
+    F.partial_norm([jnp.ones(2)], prefix=1)
+  with pytest.raises(ValueError, match=r"partial_norm\(specs.*axis_name"):
+    F.partial_norm([jnp.ones(2)], specs=P())
