@@ -144,15 +144,21 @@ def rescaled_update(p: jax.Array, u: jax.Array, f: jax.Array) -> jax.Array:
   """The update that takes ``p`` to ``t``, the applied ``p + u`` times ``f``.
 
   ``t`` is computed as a user rescaling the applied weights would (float32
-  at least, rounded to the parameter's dtype). ``u1 = t - p`` lands on ``t``
-  whenever that difference is exact (Sterbenz: ``p/2 <= t <= 2p``); where
-  its rounding makes ``p + u1`` miss ``t``, the neighbour of ``u1`` on ``t``'s
-  side is taken if it lands. Entries with ``f == 1`` keep ``u`` bit for bit.
+  at least, rounded to the parameter's dtype; every operation rounded).
+  ``u1 = t - p`` lands on ``t`` whenever that difference is exact
+  (Sterbenz: ``p/2 <= t <= 2p``); where its rounding makes ``p + u1``
+  miss ``t``, the neighbour of ``u1`` on ``t``'s side is taken if it lands.
+  Entries with ``f == 1`` keep ``u`` bit for bit.
   """
   def apply(update):  # what optax.apply_updates computes
     return jnp.asarray(p + update).astype(p.dtype)
+  # LLVM fuses a multiply feeding an add into one FMA (XLA:CPU and GPU),
+  # and XLA drops optimization barriers inside a fusion: nextafter(x, x),
+  # x itself, is opaque to both, so p + u and t - p each round on their own.
+  u = jax.lax.nextafter(u, u)
   wide = jnp.promote_types(p.dtype, jnp.float32)
   t = (apply(u).astype(wide) * f.astype(wide)).astype(p.dtype)
+  t = jax.lax.nextafter(t, t)
   sum_dtype = jnp.result_type(p, u)
   u1 = (t.astype(sum_dtype) - p.astype(sum_dtype)).astype(u.dtype)
   landed = apply(u1)
