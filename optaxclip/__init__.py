@@ -14,6 +14,9 @@ from optaxclip._adaptive.autoclip import AutoClipState as AutoClipState
 from optaxclip._adaptive.autoclip import auto_clip as auto_clip
 from optaxclip._adaptive.zclip import ZClipState as ZClipState
 from optaxclip._adaptive.zclip import zclip as zclip
+from optaxclip._attention.heads import AttentionHeads as AttentionHeads
+from optaxclip._attention.qk_clip import QKClipState as QKClipState
+from optaxclip._attention.qk_clip import qk_clip as qk_clip
 from optaxclip._clip.agc import AGCState as AGCState
 from optaxclip._clip.agc import adaptive_grad_clip as adaptive_grad_clip
 from optaxclip._clip.block_rms import BlockRMSState as BlockRMSState
@@ -42,6 +45,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AGCState",
     "AdaGCState",
+    "AttentionHeads",
     "AutoClipState",
     "BlockRMSState",
     "ClipState",
@@ -50,6 +54,7 @@ __all__ = [
     "LossScaleWrapperState",
     "MicrobatchGuardState",
     "NonFiniteGradientError",
+    "QKClipState",
     "SkipState",
     "SkipStats",
     "ValueClipState",
@@ -66,6 +71,7 @@ __all__ = [
     "functional",
     "loss_scale",
     "microbatch_guard",
+    "qk_clip",
     "skip_step",
     "stats",
     "zclip",

@@ -4,6 +4,7 @@ No state, no optax: usable under ``jit``, ``vmap`` (per-example clipping),
 ``shard_map`` and ``pmap``, and outside any optimizer.
 """
 
+from optaxclip._attention.qk_clip import qk_clip_fn as qk_clip
 from optaxclip._clip.agc import adaptive_grad_clip_fn as adaptive_grad_clip
 from optaxclip._clip.agc import unitwise_clip as unitwise_clip
 from optaxclip._clip.agc import unitwise_norm as unitwise_norm
@@ -38,6 +39,7 @@ __all__ = [
     "partial_norm",
     "per_example_clip_by_global_norm",
     "per_example_clip_by_layer_norm",
+    "qk_clip",
     "unitwise_clip",
     "unitwise_norm",
 ]

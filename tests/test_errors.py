@@ -22,6 +22,7 @@ import optaxclip as oc
 
 F = oc.functional
 GRADS = {"w": jnp.ones((2, 3)), "b": jnp.ones(3)}
+QK_HEADS = oc.AttentionHeads(query="w", key="b", head_axis=-1)
 
 # Each builder and the arguments it is built with unless a row says otherwise.
 FACTORIES = {
@@ -63,6 +64,9 @@ FUNCTIONS = {
     "loss_scale": oc.loss_scale,
     "partial_norm": lambda **k: F.partial_norm(**{"tree": GRADS, **k}),
     "combine_norms": F.combine_norms,
+    "qk_clip": lambda **k: oc.qk_clip(**{"heads": QK_HEADS, **k}),
+    "F.qk_clip": lambda **k: F.qk_clip(
+        **{"params": GRADS, "max_logits": jnp.ones(3), "heads": QK_HEADS, **k}),
 }
 
 
@@ -184,6 +188,15 @@ BAD_ARGUMENTS = [
     *_rows(["clip_by_block_rms", "F.clip_by_block_rms"], "threshold", NEGATIVE + NOT_A_NUMBER + [
         (None, TypeError, r" must be a real number, got None"),
         (jnp.array(math.nan), ValueError, r" must be a number >= 0 or inf, got Array\(nan")]),
+    *_rows(["qk_clip", "F.qk_clip"], "threshold", [
+        (0.0, ValueError, r" must be a finite number > 0, got 0.0"),
+        (-1.0, ValueError, r" must be a finite number > 0, got -1.0"),
+        (float("nan"), ValueError, r" must be a finite number > 0, got nan"),
+        ("1.0", TypeError, r" must be a real number, got '1.0' of type str")]),
+    *_rows(["qk_clip", "F.qk_clip"], "alpha", [
+        (1.0, ValueError, r" must be a number in \(0, 1\)")]),
+    *_rows(["qk_clip", "F.qk_clip"], "heads", [
+        ("w", TypeError, r" must be an AttentionHeads or a non-empty dict of them")]),
     *_rows(["zclip"], "max_grad_norm", NEGATIVE),
     *_rows(["adagc"], "lambda_abs", NEGATIVE),
     *_rows(["skip_step"], "zscore", NEGATIVE + [
@@ -525,7 +538,8 @@ def test_every_public_name_is_in_the_table():
   named = {_name(name).replace("\\", "") for name, *_ in BAD_ARGUMENTS}
   public = set(oc.__all__) | set(F.__all__)
   stateless = {"functional", "stats", "PerExampleClip", "NonFiniteGradientError",
-               "PartialNorm"}
+               "PartialNorm",
+               "AttentionHeads"}  # checked by qk_clip(heads=...)
   public = {n for n in public if not n.endswith("State") and n != "SkipStats"}
   assert public - stateless <= named, public - stateless - named
 

@@ -77,3 +77,13 @@ def test_scanned_training_quick_logs_per_layer_norms(tmp_path):
   assert len(values) == 2 and all(0.0 < v < float("inf") for v in values), values
   assert png.stat().st_size > 10_000
   assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_qk_clip_example_bounds_the_logits(tmp_path):
+  png = tmp_path / "qk_clip.png"
+  result = run_ok([sys.executable, str(ROOT / "examples" / "qk_clip_logits.py"),
+                   "--steps", "80", "--out", str(png)])
+  plain = float(re.search(r"without qk_clip: ([\d.]+)", result.stdout)[1])
+  clipped = float(re.search(r"with qk_clip\(30\): ([\d.]+)", result.stdout)[1])
+  assert plain > 100 and clipped < 60, result.stdout
+  assert png.read_bytes()[:8] == PNG_MAGIC

@@ -12,12 +12,13 @@ import optaxclip as oc
 
 PACKAGE = pathlib.Path(oc.__file__).parent
 # Modules that define a transform (a public builder); the rest are neutral.
-TRANSFORMS = {"_adaptive.adagc", "_adaptive.autoclip", "_adaptive.zclip", "_clip.agc",
-              "_clip.block_rms", "_clip.norm", "_clip.per_example", "_clip.value",
+TRANSFORMS = {"_adaptive.adagc", "_adaptive.autoclip", "_adaptive.zclip",
+              "_attention.qk_clip", "_clip.agc", "_clip.block_rms", "_clip.norm",
+              "_clip.per_example", "_clip.value",
               "_guards.loss_scale", "_guards.microbatch", "_guards.skip"}
 # The family folders, bottom to top: a module imports only from its own
 # layer or the ones below (helpers are the loose modules beside them).
-LAYERS = ["_core", "_stats", "_clip", "_adaptive", "_guards"]
+LAYERS = ["_core", "_stats", "_clip", "_attention", "_adaptive", "_guards"]
 
 
 def _module_name(path: pathlib.Path) -> str:

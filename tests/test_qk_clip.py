@@ -1,0 +1,310 @@
+"""``qk_clip``: Kimi K2's QK-Clip, against numpy references written from the
+report's definition (MHA, MLA) and Megatron-LM's (GQA: a group's query heads
+and its key head take the factor of the group's largest logit).
+
+Reference (K2 report, section 2.1): for head ``h`` with largest logit
+``S_h > tau``, ``gamma_h = tau / S_h``; ``q_C``, ``k_C`` times
+``sqrt(gamma_h)``, ``q_R`` times ``gamma_h``, the shared ``k_R`` untouched.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import make_mesh, shard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
+
+import optaxclip as oc
+from optaxclip._attention.qk_clip import rescaled_update
+
+F = oc.functional
+TAU = np.float32(100.0)
+RNG = np.random.default_rng(0)
+
+
+def rand(*shape):
+  return RNG.standard_normal(shape).astype(np.float32)
+
+
+def gamma(logits, tau=TAU):
+  """The report's gamma per head, in float32 (1 where the head is not clipped)."""
+  logits = np.asarray(logits, np.float32)
+  return np.where(logits > tau, tau / np.where(logits > tau, logits, 1), 1).astype(np.float32)
+
+
+def scale(x, factors, axis):
+  """``x`` times one factor per index of ``axis``, in float32."""
+  shape = [1] * x.ndim
+  shape[axis] = -1
+  return (x * np.asarray(factors, np.float32).reshape(shape)).astype(np.float32)
+
+
+def assert_bits(got, want):
+  got, want = np.asarray(got), np.asarray(want)
+  assert got.dtype == want.dtype and got.shape == want.shape
+  np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+# -- MHA, flax layout: kernels [in, heads, head_dim], biases [heads, head_dim].
+MHA = {"attn": {"query": {"kernel": rand(6, 4, 3), "bias": rand(4, 3)},
+                "key": {"kernel": rand(6, 4, 3), "bias": rand(4, 3)},
+                "value": {"kernel": rand(6, 4, 3)}}}
+MHA_HEADS = oc.AttentionHeads(query="attn/query", key="attn/key", head_axis=-2)
+MHA_LOGITS = np.array([250.0, 99.0, 100.0, 1e4], np.float32)
+
+
+def mha_reference(params, logits):
+  root = np.sqrt(gamma(logits))
+  attn = params["attn"]
+  return {"attn": {side: {name: scale(x, root, -2) for name, x in attn[side].items()}
+                   for side in ("query", "key")} | {"value": attn["value"]}}
+
+
+def test_mha_matches_the_report():
+  out, g = F.qk_clip(MHA, MHA_LOGITS, 100.0, heads=MHA_HEADS)
+  jax.tree.map(assert_bits, out, mha_reference(MHA, MHA_LOGITS))
+  assert_bits(g, gamma(MHA_LOGITS))  # heads at or below the threshold: 1
+
+
+def test_gqa_scales_each_group_by_its_largest_logit():
+  # 4 query heads, 2 key heads: heads 0, 1 share key 0; heads 2, 3 key 1.
+  params = {"q": rand(5, 4, 2), "k": rand(5, 2, 2)}
+  logits = np.array([120.0, 400.0, 10.0, 20.0], np.float32)
+  heads = oc.AttentionHeads(query="q", key="k", kv_heads=2)
+  out, g = F.qk_clip(params, logits, 100.0, heads=heads)
+  group = gamma(logits.reshape(2, 2).max(-1))  # Megatron: clamp(tau / group max, 1)
+  assert_bits(out["q"], scale(params["q"], np.sqrt(np.repeat(group, 2)), 1))
+  assert_bits(out["k"], scale(params["k"], np.sqrt(group), 1))
+  assert_bits(g, np.repeat(group, 2))
+
+
+def test_mla_fused_leaves_and_the_shared_rotary_key():
+  # DeepSeek's layout: wq_b [heads * (nope + rope), rank], wkv_b
+  # [heads * (nope + v), kv_rank], wkv_a holds the shared rotary key.
+  h, nope, rope, v = 3, 2, 1, 2
+  params = {"wq_b": rand(h * (nope + rope), 4), "wkv_b": rand(h * (nope + v), 4),
+            "wkv_a": rand(4, 5)}
+  logits = np.array([300.0, 50.0, 101.0], np.float32)
+  heads = oc.AttentionHeads(query="wq_b", key="wkv_b", head_axis=0,
+                            rotary_dim=rope, key_dim=nope)
+  out, _ = F.qk_clip(params, logits, 100.0, heads=heads)
+  g = gamma(logits)
+  q = params["wq_b"].reshape(h, nope + rope, 4).copy()
+  q[:, :nope] = q[:, :nope] * np.sqrt(g)[:, None, None]
+  q[:, nope:] = q[:, nope:] * g[:, None, None]
+  kv = params["wkv_b"].reshape(h, nope + v, 4).copy()
+  kv[:, :nope] = kv[:, :nope] * np.sqrt(g)[:, None, None]
+  assert_bits(out["wq_b"], q.reshape(-1, 4))
+  assert_bits(out["wkv_b"], kv.reshape(-1, 4))
+  assert_bits(out["wkv_a"], params["wkv_a"])  # k_R: untouched
+
+
+def test_mla_separate_rotary_query_and_stacked_layers():
+  # Two stacked layers (layer_axis 0), q_C, q_R and k_C as kernels [L, in, H, d].
+  params = {"q_c": rand(2, 4, 3, 2), "q_r": rand(2, 4, 3, 1), "k_c": rand(2, 4, 3, 2)}
+  logits = np.array([[300.0, 50.0, 101.0], [1.0, 2e3, 100.0]], np.float32)
+  heads = {"mla": oc.AttentionHeads(query="q_c", key="k_c", query_rotary="q_r",
+                                    layer_axis=0)}
+  out, g = F.qk_clip(params, {"mla": logits}, 100.0, heads=heads)
+  want = gamma(logits)[:, None, :, None]
+  assert_bits(out["q_c"], (params["q_c"] * np.sqrt(want)).astype(np.float32))
+  assert_bits(out["k_c"], (params["k_c"] * np.sqrt(want)).astype(np.float32))
+  assert_bits(out["q_r"], (params["q_r"] * want).astype(np.float32))
+  assert_bits(g["mla"], gamma(logits))
+
+
+def test_alpha_splits_the_factor_as_megatron():
+  params = {"q": rand(3, 2), "k": rand(3, 2)}
+  logits = np.array([400.0, 1.0], np.float32)
+  heads = oc.AttentionHeads(query="q", key="k", head_axis=-1)
+  out, _ = F.qk_clip(params, logits, 100.0, heads=heads, alpha=0.25)
+  g = gamma(logits)
+  np.testing.assert_allclose(out["q"], params["q"] * g ** 0.25, rtol=1e-6)
+  np.testing.assert_allclose(out["k"], params["k"] * g ** 0.75, rtol=1e-6)
+  # The logit q.k shrinks by gamma, whatever alpha.
+  np.testing.assert_allclose(out["q"][:, 0] @ out["k"][:, 0],
+                             params["q"][:, 0] @ params["k"][:, 0] / 4, rtol=1e-5)
+
+
+def assert_lands(params, updates, want):
+  """``params + updates`` is ``want`` bit for bit wherever ``want - params``
+  is a float (then an update can reach it: Sterbenz's lemma covers every
+  weight rescaled within a factor 2 of where it was); elsewhere no float
+  update reaches it, and the miss is at most the rounding of one float32
+  add at the magnitude of the old weight or the step."""
+  for p, u, t in zip(*(jax.tree.leaves(x) for x in (params, updates, want))):
+    p, t = np.asarray(p), np.asarray(t)
+    got = np.asarray(optax.apply_updates(p, u))
+    reachable = t.astype(np.float64) - p == (t - p).astype(np.float64)
+    assert_bits(got[reachable], t[reachable])
+    bound = np.spacing(np.maximum(np.abs(p), np.abs(t - p)))
+    assert (np.abs(got.astype(np.float64) - t) <= bound).all()
+
+
+# -- The transform: params + updates is the rescaled params + updates.
+# Logits a little past the threshold, as in training with QK-Clip on: every
+# rescaled weight is within a factor 2 of the old one, so t - p is a float.
+TX = optax.chain(optax.sgd(0.01), oc.qk_clip(100.0, heads=MHA_HEADS))
+GRADS = jax.tree.map(lambda x: rand(*x.shape), MHA)
+SGD = jax.tree.map(lambda g: np.float32(-0.01) * g, GRADS)  # optax.sgd(0.01)'s updates
+NEAR = np.array([130.0, 99.0, 100.0, 110.0], np.float32)
+
+
+@jax.jit
+def step(params, state, logits):
+  updates, state = TX.update(GRADS, state, params, max_logits=logits)
+  return updates, state
+
+
+def test_applied_updates_are_the_rescaled_weights_bit_for_bit():
+  updates, state = step(MHA, TX.init(MHA), NEAR)
+  plain = optax.apply_updates(MHA, SGD)
+  assert_lands(MHA, updates, F.qk_clip(plain, NEAR, 100.0, heads=MHA_HEADS)[0])
+  # Heads 1 and 2 (logits 99 and 100) and the values: sgd's updates, bit for bit.
+  sgd = SGD
+  assert_bits(updates["attn"]["query"]["kernel"][:, 1:3], sgd["attn"]["query"]["kernel"][:, 1:3])
+  assert_bits(updates["attn"]["value"]["kernel"], sgd["attn"]["value"]["kernel"])
+  stats = oc.stats(state)
+  assert {k: int(v) if "logit" not in k else float(v) for k, v in stats.items()} == {
+      "qk_clip/max_logit": 130.0, "qk_clip/clipped_heads": 2, "qk_clip/count": 1,
+      "qk_clip/clipped_count": 1, "qk_clip/clip_rate": 1}
+
+
+def test_far_past_the_threshold():
+  # Factors 0.1 and 0.63: t - p is a float less often.
+  updates, _ = step(MHA, TX.init(MHA), MHA_LOGITS)
+  plain = optax.apply_updates(MHA, SGD)
+  assert_lands(MHA, updates, F.qk_clip(plain, MHA_LOGITS, 100.0, heads=MHA_HEADS)[0])
+
+
+def test_nonfinite_logits_leave_their_heads_alone():
+  logits = np.array([np.nan, np.inf, 150.0, 1.0], np.float32)
+  updates, state = step(MHA, TX.init(MHA), logits)
+  sgd = SGD
+  assert_bits(updates["attn"]["key"]["kernel"][:, :2], sgd["attn"]["key"]["kernel"][:, :2])
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(updates))
+  assert int(state[1].clipped_heads) == 1 and np.isnan(state[1].max_logit)
+
+
+def test_bfloat16_params_match_a_rescale_by_hand():
+  params = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), MHA)
+  grads = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), GRADS)
+  tx = oc.qk_clip(100.0, heads=MHA_HEADS)
+  updates, _ = tx.update(grads, tx.init(params), params, max_logits=MHA_LOGITS)
+  applied = optax.apply_updates(params, updates)
+  by_hand = optax.apply_updates(params, grads)
+  root = jnp.sqrt(jnp.asarray(gamma(MHA_LOGITS)))
+  kernel = by_hand["attn"]["key"]["kernel"]
+  want = (kernel.astype(jnp.float32) * root[:, None]).astype(jnp.bfloat16)
+  assert_bits(applied["attn"]["key"]["kernel"], want)
+
+
+def test_multisteps_rescales_once_per_optimizer_step():
+  # optax.identity: no multiply that XLA could fuse with the add into an FMA.
+  tx = optax.MultiSteps(optax.chain(optax.identity(), oc.qk_clip(100.0, heads=MHA_HEADS)),
+                        every_k_schedule=2)
+  state, params = tx.init(MHA), MHA
+  update = jax.jit(tx.update)
+  updates, state = update(GRADS, state, params, max_logits=MHA_LOGITS)  # ignored
+  jax.tree.map(lambda u: np.testing.assert_array_equal(u, 0), updates)  # micro-step
+  updates, state = update(GRADS, state, params, max_logits=NEAR)  # the window's max
+  plain = optax.apply_updates(MHA, GRADS)
+  assert_lands(params, updates, F.qk_clip(plain, NEAR, 100.0, heads=MHA_HEADS)[0])
+  assert int(oc.stats(state)["qk_clip/count"]) == 1
+
+
+def test_sharded_over_heads_equals_unsharded():
+  params = {"q": rand(4, 8, 2), "k": rand(4, 8, 2)}
+  grads = jax.tree.map(lambda x: rand(*x.shape), params)
+  logits = np.linspace(50.0, 400.0, 8).astype(np.float32)
+  tx = optax.chain(optax.sgd(0.1), oc.qk_clip(100.0, heads=oc.AttentionHeads("q", "k")))
+  run = jax.jit(lambda p, g, m: tx.update(g, tx.init(p), p, max_logits=m)[0])
+  mesh = make_mesh((8,), ("h",))
+  specs = {"q": P(None, "h"), "k": P(None, "h")}
+  sharded = run(shard(params, mesh, specs), shard(grads, mesh, specs),
+                shard(logits, mesh, P("h")))
+  plain = jax.tree.map(lambda p, g: p + np.float32(-0.1) * g, params, grads)
+  want = F.qk_clip(plain, logits, 100.0, heads=oc.AttentionHeads("q", "k"))[0]
+  assert_lands(params, sharded, want)
+  assert_lands(params, run(params, grads, logits), want)
+
+
+# -- Exactness of one entry: p + u' lands on t = f * (p + u).
+BIG = float(np.float32(2e38))
+FLOATS = st.floats(-BIG, BIG, allow_nan=False, allow_infinity=False, width=32)
+
+
+@jax.jit
+def entries(p, u, f):
+  return rescaled_update(p, u, f)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(FLOATS, FLOATS, st.floats(float(np.float32(1e-6)), 1.0, width=32)),
+                min_size=64, max_size=64))
+def test_rescaled_update_lands_on_the_target(rows):
+  p, u, f = (np.array(c, np.float32) for c in zip(*rows))
+  with np.errstate(all="ignore"):
+    w = p + u
+    t = (w * f).astype(np.float32)
+    out = np.asarray(entries(p, u, f))
+    landed = p + out
+    # XLA flushes subnormals to zero (CPU and GPU): such entries are out.
+    normal = [(x == 0) | (np.abs(x) >= np.finfo(np.float32).tiny) for x in (p, u, w, t, t - p)]
+    finite = np.isfinite(w) & np.isfinite(t - p) & np.logical_and.reduce(normal)
+    # Exact whenever t - p is a float (Sterbenz: p/2 <= t <= 2p, among others),
+    representable = (t.astype(np.float64) - p) == (t - p).astype(np.float64)
+    ok = landed == t
+    assert ok[finite & representable].all()
+    # and otherwise no neighbour of the update lands either.
+    for step in (-np.inf, np.inf):
+      near = np.nextafter(out, np.float32(step))
+      assert not ((p + near == t) & ~ok & finite).any()
+  unclipped = f == 1
+  np.testing.assert_array_equal(out[unclipped].view(np.int32), u[unclipped].view(np.int32))
+
+
+def test_small_factors_and_steps_are_exact_in_practice():
+  # Realistic weights (|p| ~ 1e-2), steps 1e-3 of them, factors down to 1e-3.
+  p = (RNG.standard_normal(100_000) * 1e-2).astype(np.float32)
+  u = (p * RNG.standard_normal(100_000) * 1e-3).astype(np.float32)
+  f = np.geomspace(1e-3, 1, 100_000).astype(np.float32)
+  out = np.asarray(entries(p, u, f))
+  t = ((p + u) * f).astype(np.float32)
+  exact = np.mean(p + out == t)
+  assert exact == 1.0 or (f[p + out != t] < 0.5).all(), exact
+
+
+# -- Bad input: clear errors at build, init or the first update.
+@pytest.mark.parametrize("call,error,pattern", [
+    (lambda: oc.qk_clip(0.0, heads=MHA_HEADS), ValueError,
+     r"`qk_clip\(threshold=\.\.\.\)` must be a finite number > 0, got 0.0"),
+    (lambda: oc.qk_clip(float("nan"), heads=MHA_HEADS), ValueError, r"threshold.*got nan"),
+    (lambda: oc.qk_clip(100.0, heads=MHA_HEADS, alpha=1.0), ValueError,
+     r"`qk_clip\(alpha=\.\.\.\)` must be a number in \(0, 1\)"),
+    (lambda: oc.qk_clip(100.0, heads={"a": "attn/query"}), TypeError,
+     r"`qk_clip\(heads=\.\.\.\)` must be an AttentionHeads or a non-empty dict"),
+    (lambda: oc.qk_clip(100.0, heads=MHA_HEADS._replace(head_axis=3)).init(MHA), ValueError,
+     r"block '' has head_axis=3, but leaf 'attn/query/bias' has 2 axes"),
+    (lambda: oc.qk_clip(100.0, heads=MHA_HEADS._replace(key="attn/kee")).init(MHA),
+     ValueError, r"key='attn/kee' selects no leaf of the parameters"),
+    (lambda: oc.qk_clip(100.0, heads=MHA_HEADS._replace(key="attn/query")).init(MHA),
+     ValueError, r"leaf 'attn/query/bias' is selected twice \('' query and '' key\)"),
+    (lambda: F.qk_clip(MHA, MHA_LOGITS[:3], heads=MHA_HEADS), ValueError,
+     r"leaf 'attn/query/bias' has 4 entries along its head axis \(0\), not a "
+     r"multiple of its 3 heads"),
+    (lambda: F.qk_clip(MHA, MHA_LOGITS[None], heads=MHA_HEADS), ValueError,
+     r"`update\(max_logits=\.\.\.\)` for block '' must have shape \[heads\]"),
+    (lambda: TX.update(GRADS, TX.init(MHA), MHA), TypeError,
+     r"`qk_clip`: update needs the step's largest attention logit of every head"),
+    (lambda: TX.update(GRADS, TX.init(MHA), None, max_logits=MHA_LOGITS), ValueError,
+     r"`qk_clip`: .*params"),
+    (lambda: F.qk_clip(MHA, {"b": MHA_LOGITS}, heads={"a": MHA_HEADS}), ValueError,
+     r"`update\(max_logits=\.\.\.\)` must be a dict with the keys of `heads` \(\['a'\]\)"),
+])
+def test_bad_input_is_a_clear_error(call, error, pattern):
+  with pytest.raises(error, match=pattern):
+    call()
