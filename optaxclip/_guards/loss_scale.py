@@ -60,6 +60,7 @@ from typing import Any, NamedTuple, TypeGuard
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 from optaxclip import _core, _tree, _validation
 from optaxclip._clip import scaling
@@ -94,7 +95,7 @@ class LossScaleWrapperState(NamedTuple):
 
 
 registry.register(LossScaleState, "loss_scale", clips=False,
-                  hide=("micro_step", "window_overflows"))
+                  hide=("micro_step", "window_overflows", "window_norm"))
 placement.register_loss_scale(LossScaleState, LossScaleWrapperState)
 
 
@@ -222,24 +223,50 @@ def _count(new: LossScaleState, old: LossScaleState, finite: jax.Array
                                                       old.overflow_count))
 
 
+def _window_finite(summed: PyTree, grads: PyTree, bound: jax.Array,
+                   last: jax.Array, where: _core.Where) -> jax.Array:
+  """Whether the window's sum is finite as the optimizer gets it: summed
+  in the accumulator's dtype, then cast to the gradients' (float16: a sum
+  past 65504 is Inf there). No entry of the sum exceeds ``bound``, the sum
+  of the micro-batches' norms: below half the narrowest dtype's largest
+  number (rounding cannot double it) nothing is read. Above it, at the
+  window's last micro-batch, the sum is checked (one read, skipped by the
+  ``lax.cond`` in the common case)."""
+  leaves = _tree.clippable_leaves(summed) + _tree.clippable_leaves(grads)
+  if not leaves:
+    return jnp.asarray(True)
+  largest = min(float(jnp.finfo(x.dtype).max) for x in leaves)
+  half = jnp.float32(min(largest, float(jnp.finfo(jnp.float32).max)) / 2)
+  return lax.cond(last & ~(bound <= half),
+                  lambda: _core.all_finite(grads, axis_name=where.axis_names),
+                  lambda: jnp.asarray(True))
+
+
 def _advance(state: LossScaleState, finite: jax.Array, unscaled: PyTree,
-             accumulated: PyTree, schedule: Schedule, every_k_steps: Any):
+             norm: jax.Array, accumulated: PyTree, schedule: Schedule,
+             every_k_steps: Any, where: _core.Where):
   """One update: the new state, the gradients for the optimizer, the
   accumulator, whether the optimizer steps, whether a back-off was due at
   the floor. Without an accumulator each update is an optimizer step;
-  with one, the ``every_k_steps``-th micro-batch of a window is."""
+  with one, the ``every_k_steps``-th micro-batch of a window is, and a
+  window whose sum overflows is an overflow (counted on its last
+  micro-batch)."""
   if accumulated is None:
     new, at_floor = adjust(state, finite, schedule)
     return _count(new, state, finite), unscaled, None, finite, at_floor
   micro = counters.increment(state.micro_step)
   last = micro >= every_k_steps
-  window_finite = finite & (state.window_overflows == 0)
   summed = jax.tree.map(
       lambda u, a: a + u.astype(a.dtype) if _tree.is_clippable(u) else a,
       unscaled, accumulated)
   grads = jax.tree.map(
       lambda u, s: s.astype(u.dtype) if _tree.is_clippable(u) else u,
       unscaled, summed)
+  bound = state.window_norm + norm.astype(jnp.float32)  # 0 for an overflow
+  finite = finite & _window_finite(summed, grads, bound, last, where)
+  window_finite = finite & (state.window_overflows == 0)
+  # The optimizer never sees an Inf: its update is dropped anyway.
+  grads = scaling.zero_unless(finite, grads)
   adjusted, at_floor = adjust(state, window_finite, schedule)
   # The scale and its schedule change at the end of a window only.
   new = jax.tree.map(lambda a, b: jnp.where(last, a, b), adjusted, state)
@@ -247,7 +274,8 @@ def _advance(state: LossScaleState, finite: jax.Array, unscaled: PyTree,
   new = new._replace(
       micro_step=jnp.where(last, restart, micro),
       window_overflows=jnp.where(last, restart, counters.count_if(
-          ~finite, state.window_overflows)))
+          ~finite, state.window_overflows)),
+      window_norm=jnp.where(last, jnp.zeros([], jnp.float32), bound))
   accumulated = jax.tree.map(lambda s: jnp.where(last, jnp.zeros_like(s), s),
                              summed)
   return (_count(new, state, finite), grads, accumulated,
@@ -409,8 +437,8 @@ def dynamic_loss_scale(
     old = state if wrapped is None else state.loss_scale
     unscaled, finite, known = unscale(updates, old, where, may_shrink)
     new, grads, accumulated, step, at_floor = _advance(
-        old, finite, unscaled, None if wrapped is None else state.accumulated,
-        schedule, k)
+        old, finite, unscaled, known.total,
+        None if wrapped is None else state.accumulated, schedule, k, where)
     if raise_at_min:
       raise_at_floor(fn, at_floor, old.scale)
     if wrapped is None:
