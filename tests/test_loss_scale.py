@@ -861,6 +861,138 @@ def test_every_k_steps_needs_the_optimizer_and_params():
   assert one.accumulated is None
 
 
+# A window whose sum overflows (issue 27): what the optimizer gets is checked.
+
+def finite_leaves(tree) -> bool:
+  return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(tree)
+             if jnp.issubdtype(x.dtype, jnp.inexact))
+
+
+@functools.cache
+def compiled_step(tx):
+  @jax.jit
+  def step(params, state, g):
+    updates, state = tx.update({"w": g}, state, params)
+    return optax.apply_updates(params, updates), state
+  return step
+
+
+def run_micro_batches(tx, params, gradients):
+  """Each gradient in turn (one compiled step per ``tx``); the params and
+  state after each."""
+  state, rows = tx.init(params), []
+  for g in gradients:
+    params, state = compiled_step(tx)(params, state, jnp.asarray(g, params["w"].dtype))
+    rows.append((params, state))
+  return rows
+
+
+def test_a_window_sum_past_float32_is_skipped_as_gradscaler_does():
+  """Two finite micro-batches of 2e38 sum to Inf in float32. GradScaler's
+  ``.grad`` holds that Inf sum: it skips the step and backs off to 0.5.
+  The next window (at 0.5) is finite and steps."""
+  tx = dynamic_loss_scale(1.0, min_scale=2.0**-126, every_k_steps=2, inner=optax.adam(1e-2))
+  params = {"w": jnp.zeros(2)}
+  fresh = tx.init(params).inner_state
+  rows = run_micro_batches(tx, params, [[2e38, 1.0]] * 2 + [[0.5, 0.5]] * 2)
+  (after, state), (last_params, last) = rows[1], rows[3]
+  assert np.asarray(after["w"]).tolist() == [0.0, 0.0]
+  for a, b in zip(jax.tree.leaves(state.inner_state), jax.tree.leaves(fresh)):
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+  s = state.loss_scale
+  assert (float(s.scale), int(s.overflow_count), int(s.good_steps)) == (0.5, 1, 0)
+  assert (int(s.micro_step), float(s.window_norm)) == (0, 0.0)
+  assert all(np.all(np.asarray(a) == 0) for a in jax.tree.leaves(state.accumulated))
+  np.testing.assert_allclose(last_params["w"], [-1e-2, -1e-2], rtol=1e-5)
+  assert int(last.inner_state[0].count) == 1 and int(last.loss_scale.overflow_count) == 1
+
+
+def test_float16_accumulation_recipe_never_lets_an_inf_sum_through():
+  """docs/migration/pytorch.md's recipe (loss / k) with float16 params: each
+  micro-batch's gradient is 17500, the window's mean 70000 is past
+  float16's 65504. The scale backs off while each scaled micro-batch
+  overflows (4 per window), then the float32 sum cast to float16 overflows
+  (1 per window); Adam never steps and nothing is ever NaN."""
+  k = 4
+  tx = dynamic_loss_scale(8.0, min_scale=2.0**-126, every_k_steps=k, inner=optax.adam(1e-2))
+
+  @jax.jit
+  def micro_step(params, opt_state):
+    scale = loss_scale(opt_state)
+    grads = jax.grad(lambda p: jnp.sum(p["w"].astype(jnp.float32) * 7e4) / k * scale)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  params = {"w": jnp.zeros(3, jnp.float16)}
+  opt_state = tx.init(params)
+  scales, counts = [], []
+  for t in range(6 * k):
+    params, opt_state = micro_step(params, opt_state)
+    assert finite_leaves(params) and finite_leaves(opt_state.inner_state)
+    if t % k == k - 1:
+      scales.append(float(loss_scale(opt_state)))
+      counts.append(int(opt_state.loss_scale.overflow_count))
+  assert scales == [4.0, 2.0, 1.0, 0.5, 0.25, 0.125]
+  assert counts == [4, 8, 9, 10, 11, 12]
+  assert int(opt_state.inner_state[0].count) == 0
+  assert params["w"].dtype == jnp.float16 and not np.any(np.asarray(params["w"]))
+
+
+def adam():
+  return optax.adam(1e-2, eps=1e-3)  # eps normal in float16
+
+
+F32, F16 = jnp.float32, jnp.float16
+TWICE = [[2e38, 1.0]] * 2
+OPPOSITE = [[2e38, 1.0], [-2e38, 1.0]]
+KNOWN_OPEN = pytest.mark.xfail(strict=True, reason=(
+    "issue 27: optax.MultiSteps's own accumulator overflows inside the "
+    "wrapper; the wrapper judges each micro-batch, not what MultiSteps's "
+    "inner optimizer gets"))
+# Every path by which a value that is not finite in the optimizer's dtype
+# could reach it: (transformation, params' dtype, micro-batches, whether the
+# optimizer steps).
+WINDOW = dynamic_loss_scale(1.0, every_k_steps=2, inner=adam())  # compiled once for both
+PATHS = {
+    "window sum cast to float16": (lambda: WINDOW, F16, [[4e4, 1.0]] * 2, False),
+    "window sum past the bound, finite": (
+        lambda: WINDOW, F16, [[4e4, 1.0], [-4e4, 1.0]], True),
+    "window of micro-batches unscaled below 1": (
+        lambda: dynamic_loss_scale(0.25, min_scale=2.0**-126, every_k_steps=2, inner=adam()),
+        F16, [[2e4, 1.0], [1.0, 1.0]], False),
+    "skip_step(MultiSteps(sum))": (
+        lambda: skip_step(optax.MultiSteps(adam(), 2, use_grad_mean=False)),
+        F32, TWICE, False),
+    "MultiSteps(microbatch_guard)": (
+        lambda: optax.MultiSteps(adam(), 2, use_grad_mean=False,
+                                 should_skip_update_fn=oc.microbatch_guard()),
+        F32, TWICE, False),
+    "dynamic_loss_scale(MultiSteps(mean))": (
+        lambda: dynamic_loss_scale(1.0, min_scale=2.0**-126,
+                                   inner=optax.MultiSteps(adam(), 2)),
+        F32, OPPOSITE, True),
+}
+OPEN = {"skip_step(MultiSteps(sum))", "MultiSteps(microbatch_guard)",
+        "dynamic_loss_scale(MultiSteps(mean))"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=KNOWN_OPEN) if n in OPEN else n
+                                  for n in PATHS])
+def test_no_path_lets_a_non_finite_value_reach_the_optimizer(name):
+  """Finite micro-batches whose window (or unscaled value) is not finite in
+  the optimizer's dtype: params and optimizer state stay finite; an
+  overflowed window leaves the params as they were."""
+  build, dtype, gradients, steps = PATHS[name]
+  params = {"w": jnp.zeros(2, dtype)}
+  rows = run_micro_batches(build(), params, gradients)
+  final, state = rows[-1]
+  is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)  # noqa: E731
+  moments = [x for x in jax.tree.leaves(state, is_leaf=is_adam) if is_adam(x)]
+  assert len(moments) == 1
+  assert finite_leaves(final) and finite_leaves(moments)
+  assert bool(np.any(np.asarray(final["w"]) != 0)) == steps
+
+
 # --------------------------------------------------------------------------
 # Hysteresis: DeepSpeed's and Megatron-LM's schedules, restated from their
 # code, against dynamic_loss_scale on long runs where overflows depend on the

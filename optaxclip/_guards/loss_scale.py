@@ -24,10 +24,12 @@ step`` rolls back every inner state except the loss scale's, and
 - With gradient accumulation, ``dynamic_loss_scale(inner, every_k_steps=k)``
   is GradScaler's: the scale is fixed for a window of ``k`` micro-batches,
   their unscaled sum is one optimizer step, and a window with an overflow is
-  skipped whole, with one back-off. ``dynamic_loss_scale(optax.MultiSteps(
-  ...))`` drops only the overflowed micro-batch and backs off at once (its
-  ``period`` counts micro-batches). Inside ``MultiSteps`` the accumulator
-  would sum scaled gradients, and one overflow would poison it for good.
+  skipped whole, with one back-off (a sum that is Inf as the optimizer gets
+  it, in the accumulator's dtype or cast to the gradients', is one too).
+  ``dynamic_loss_scale(optax.MultiSteps(...))`` drops only the overflowed
+  micro-batch and backs off at once (its ``period`` counts micro-batches).
+  Inside ``MultiSteps`` the accumulator would sum scaled gradients, and one
+  overflow would poison it for good.
 
 The chain form, ``optax.chain(dynamic_loss_scale(), optax.adamw(...))``,
 passes zeros on after an overflow: the params stay finite, but what follows
@@ -60,6 +62,7 @@ from typing import Any, NamedTuple, TypeGuard
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 from optaxclip import _core, _tree, _validation
 from optaxclip._clip import scaling
@@ -94,7 +97,7 @@ class LossScaleWrapperState(NamedTuple):
 
 
 registry.register(LossScaleState, "loss_scale", clips=False,
-                  hide=("micro_step", "window_overflows"))
+                  hide=("micro_step", "window_overflows", "window_norm"))
 placement.register_loss_scale(LossScaleState, LossScaleWrapperState)
 
 
@@ -151,9 +154,10 @@ def loss_scale(opt_state: optax.OptState) -> jax.Array:
 
 def unscale(updates: PyTree, state: LossScaleState, where: _core.Where,
             may_shrink: bool = False
-            ) -> tuple[PyTree, jax.Array, _core.KnownNorm]:
+            ) -> tuple[PyTree, jax.Array, _core.KnownNorm, Any]:
   """The updates divided by the scale (zeros on an overflow), whether they
-  were finite, and their norm, for a clipper inside to take.
+  were finite, their norm, for a clipper inside to take, and the function
+  that unscales (to redo it inside a ``lax.cond`` from the updates).
 
   Judged from the norm of the scaled updates divided by the scale
   (overflow-safe: Inf or NaN when an unscaled entry is, or when the norm
@@ -174,11 +178,13 @@ def unscale(updates: PyTree, state: LossScaleState, where: _core.Where,
   # A multiply by 1/scale: exact for powers of two, and each leaf keeps its
   # dtype (half precision is unscaled in float32 and rounded once). Zeros
   # rather than Inf/NaN: nothing after the loss scaling sees them.
-  unscaled = scaling.zero_unless(
-      finite, scaling.scale_leaves(updates, inverse))
+  def unscaling(tree):
+    return scaling.zero_unless(finite, scaling.scale_leaves(tree, inverse))
+
+  unscaled = unscaling(updates)
   known = _core.KnownNorm(jnp.where(finite, norm, 0), 2, where,
                           tuple(_tree.clippable_leaves(unscaled)))
-  return unscaled, finite, known
+  return unscaled, finite, known, unscaling
 
 
 def _unscaled_in_range(updates: PyTree, inverse: jax.Array,
@@ -222,24 +228,65 @@ def _count(new: LossScaleState, old: LossScaleState, finite: jax.Array
                                                       old.overflow_count))
 
 
-def _advance(state: LossScaleState, finite: jax.Array, unscaled: PyTree,
-             accumulated: PyTree, schedule: Schedule, every_k_steps: Any):
-  """One update: the new state, the gradients for the optimizer, the
-  accumulator, whether the optimizer steps, whether a back-off was due at
-  the floor. Without an accumulator each update is an optimizer step;
-  with one, the ``every_k_steps``-th micro-batch of a window is."""
-  if accumulated is None:
-    new, at_floor = adjust(state, finite, schedule)
-    return _count(new, state, finite), unscaled, None, finite, at_floor
-  micro = counters.increment(state.micro_step)
-  last = micro >= every_k_steps
-  window_finite = finite & (state.window_overflows == 0)
+def _window_sum(unscaled: PyTree, accumulated: PyTree) -> tuple[PyTree, PyTree]:
+  """The window's sum in the accumulator's dtype, and cast to the
+  gradients' (what the optimizer gets)."""
   summed = jax.tree.map(
       lambda u, a: a + u.astype(a.dtype) if _tree.is_clippable(u) else a,
       unscaled, accumulated)
   grads = jax.tree.map(
       lambda u, s: s.astype(u.dtype) if _tree.is_clippable(u) else u,
       unscaled, summed)
+  return summed, grads
+
+
+def _window_finite(updates: PyTree, unscaling: Any, accumulated: PyTree,
+                   bound: jax.Array, last: jax.Array,
+                   where: _core.Where) -> jax.Array:
+  """Whether the window's sum is finite as the optimizer gets it: summed
+  in the accumulator's dtype, then cast to the gradients' (float16: a sum
+  past 65504 is Inf there). No entry of the sum exceeds ``bound``, the sum
+  of the micro-batches' norms: below half the narrowest dtype's largest
+  number (rounding cannot double it) nothing is read. Above it, at the
+  window's last micro-batch, the sum is redone from the update and the
+  accumulator and checked (one read of each, inside the ``lax.cond``; the
+  sum outside stays fused into its consumers)."""
+  leaves = _tree.clippable_leaves(updates) + _tree.clippable_leaves(accumulated)
+  if not leaves:
+    return jnp.asarray(True)
+  largest = min(float(jnp.finfo(x.dtype).max) for x in leaves)
+  half = jnp.float32(min(largest, float(jnp.finfo(jnp.float32).max)) / 2)
+
+  def check(updates, accumulated):
+    _, grads = _window_sum(unscaling(updates), accumulated)
+    return _core.all_finite(grads, axis_name=where.axis_names)
+
+  return lax.cond(last & ~(bound <= half), check,
+                  lambda *_: jnp.asarray(True), updates, accumulated)
+
+
+def _advance(state: LossScaleState, finite: jax.Array, updates: PyTree,
+             unscaling: Any, norm: jax.Array, accumulated: PyTree,
+             schedule: Schedule, every_k_steps: Any, where: _core.Where):
+  """One update: the new state, the gradients for the optimizer, the
+  accumulator, whether the optimizer steps, whether a back-off was due at
+  the floor. Without an accumulator each update is an optimizer step;
+  with one, the ``every_k_steps``-th micro-batch of a window is, and a
+  window whose sum overflows is an overflow (counted on its last
+  micro-batch)."""
+  unscaled = unscaling(updates)
+  if accumulated is None:
+    new, at_floor = adjust(state, finite, schedule)
+    return _count(new, state, finite), unscaled, None, finite, at_floor
+  micro = counters.increment(state.micro_step)
+  last = micro >= every_k_steps
+  summed, grads = _window_sum(unscaled, accumulated)
+  bound = state.window_norm + norm.astype(jnp.float32)  # 0 for an overflow
+  finite = finite & _window_finite(updates, unscaling, accumulated, bound,
+                                   last, where)
+  window_finite = finite & (state.window_overflows == 0)
+  # The optimizer never sees an Inf: its update is dropped anyway.
+  grads = scaling.zero_unless(finite, grads)
   adjusted, at_floor = adjust(state, window_finite, schedule)
   # The scale and its schedule change at the end of a window only.
   new = jax.tree.map(lambda a, b: jnp.where(last, a, b), adjusted, state)
@@ -247,7 +294,8 @@ def _advance(state: LossScaleState, finite: jax.Array, unscaled: PyTree,
   new = new._replace(
       micro_step=jnp.where(last, restart, micro),
       window_overflows=jnp.where(last, restart, counters.count_if(
-          ~finite, state.window_overflows)))
+          ~finite, state.window_overflows)),
+      window_norm=jnp.where(last, jnp.zeros([], jnp.float32), bound))
   accumulated = jax.tree.map(lambda s: jnp.where(last, jnp.zeros_like(s), s),
                              summed)
   return (_count(new, state, finite), grads, accumulated,
@@ -407,10 +455,10 @@ def dynamic_loss_scale(
     _validation.check_update(fn, updates, state, LossScaleState if wrapped is None
                              else LossScaleWrapperState)
     old = state if wrapped is None else state.loss_scale
-    unscaled, finite, known = unscale(updates, old, where, may_shrink)
+    _, finite, known, unscaling = unscale(updates, old, where, may_shrink)
     new, grads, accumulated, step, at_floor = _advance(
-        old, finite, unscaled, None if wrapped is None else state.accumulated,
-        schedule, k)
+        old, finite, updates, unscaling, known.total,
+        None if wrapped is None else state.accumulated, schedule, k, where)
     if raise_at_min:
       raise_at_floor(fn, at_floor, old.scale)
     if wrapped is None:

@@ -51,6 +51,8 @@ class LossScaleState(NamedTuple):
       where the scale cannot go lower: the run is broken.
     micro_step: int32 ``[]``: micro-batches into the current window.
     window_overflows: int32 ``[]``: how many of them overflowed.
+    window_norm: float32 ``[]``: the sum of their unscaled norms, a bound
+      on every entry of the window's sum (see ``dynamic_loss_scale``).
   """
   scale: jax.Array
   good_steps: jax.Array
@@ -60,6 +62,7 @@ class LossScaleState(NamedTuple):
   min_scale_overflow_count: jax.Array
   micro_step: jax.Array
   window_overflows: jax.Array
+  window_norm: jax.Array
 
   @classmethod
   def fresh(cls, scale: jax.typing.ArrayLike, *,
@@ -75,7 +78,8 @@ class LossScaleState(NamedTuple):
                hysteresis=jnp.array(hysteresis, jnp.int32, copy=True),
                count=counters.zero(), overflow_count=counters.zero(),
                min_scale_overflow_count=counters.zero(),
-               micro_step=counters.zero(), window_overflows=counters.zero())
+               micro_step=counters.zero(), window_overflows=counters.zero(),
+               window_norm=jnp.zeros([], jnp.float32))
 
 
 class Schedule(NamedTuple):
