@@ -41,7 +41,7 @@ class AGCState(NamedTuple):
 
   Attributes:
     clipped_fraction: float32 ``[]``: the fraction of units clipped last
-      step.
+      step (of those with entries: a ``(0, n)`` weight's never count).
     clipped_units: int32 ``[]``: the units clipped last step.
     scale: float32 ``[]``: the smallest unit factor applied last step.
     count: int32 ``[]``: steps seen.
