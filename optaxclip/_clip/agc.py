@@ -17,6 +17,7 @@ overflows or underflows), and, under ``shard_map``, the partial sums of the
 gradients' and the parameters' units added with one all-reduce.
 """
 
+import math
 import numbers
 from typing import Any, NamedTuple
 
@@ -40,7 +41,7 @@ class AGCState(NamedTuple):
 
   Attributes:
     clipped_fraction: float32 ``[]``: the fraction of units clipped last
-      step.
+      step (of those with entries: a ``(0, n)`` weight's never count).
     clipped_units: int32 ``[]``: the units clipped last step.
     scale: float32 ``[]``: the smallest unit factor applied last step.
     count: int32 ``[]``: steps seen.
@@ -107,8 +108,11 @@ def _clip(fn: str, updates: PyTree, params: PyTree, clipping, eps,
   # for every device's units (statistics need no second all-reduce).
   factors = unit_factors(grads.units, limits)
   clipped = scaling.scale_leaves(updates, grads.to_leaves(factors))
+  # Units of no entries (a (0, n) weight's) are never clipped: not counted.
+  units = sum(math.prod(shape) for shape, entries in
+              zip(grads.unit_shapes(), grads.entries_per_unit()) if entries)
   return clipped, (jnp.sum(factors < 1, dtype=jnp.float32),
-                   jnp.asarray(factors.size, jnp.float32),
+                   jnp.asarray(units, jnp.float32),
                    jnp.min(factors, initial=1.0),
                    jnp.all(jnp.isfinite(grads.units)))
 

@@ -147,13 +147,14 @@ def _layer_thresholds(measured: _core.Measured, max_norm: Scalar,
   """Per leaf, the largest norm of each of its layers, as optax writes it
   (for the same rounding) for the unstacked layers: ``C / sqrt(K)``, or
   ``C * sqrt(D_k / D)``. Counted on the whole leaves: under ``shard_map`` a
-  device holds shards."""
+  device holds shards. A stack of zero layers counts none; with no layer
+  or no entry at all, every layer is empty and any threshold will do."""
   shapes = [shape[1:] for shape in measured.shapes]
   layers = [math.prod(units[1:]) for units in measured.unit_shapes()]
   if uniform:
-    return [max_norm * (1.0 / sum(layers)) ** 0.5] * len(shapes)
-  total = sum(math.prod(shape) for shape in shapes)
-  return [max_norm * (math.prod(shape) // n / total) ** 0.5
+    return [max_norm * (1.0 / max(sum(layers), 1)) ** 0.5] * len(shapes)
+  total = max(sum(math.prod(shape) for shape in shapes), 1)
+  return [max_norm * (math.prod(shape) // max(n, 1) / total) ** 0.5
           for shape, n in zip(shapes, layers)]
 
 

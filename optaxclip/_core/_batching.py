@@ -275,7 +275,9 @@ def example_rows(leaves: Sequence[jax.Array]) -> list[jax.Array]:
   """
   by_dtype: dict[Any, list[jax.Array]] = {}
   for x in leaves:
-    by_dtype.setdefault(x.dtype, []).append(x.reshape(x.shape[0], -1))
+    # Sizes, not -1: with zero examples the entries per row are not implied.
+    by_dtype.setdefault(x.dtype, []).append(
+        x.reshape(x.shape[0], math.prod(x.shape[1:])))
   return [jnp.concatenate(rows[start:start + GROUP_SIZE], axis=1)
           for rows in by_dtype.values()
           for start in range(0, len(rows), GROUP_SIZE)]

@@ -186,7 +186,10 @@ class Measured:
 
 def norms_of_rows(rows: jax.Array, p) -> jax.Array:
   """The ``p``-norm of each row of a matrix of norms (finite, NaN or Inf),
-  as ``largest * norm(row / largest)``: the scaled powers cannot overflow."""
+  as ``largest * norm(row / largest)``: the scaled powers cannot overflow.
+  A row of no norms (a stack of zero layers) has norm 0, for every order."""
+  if rows.shape[1] == 0:  # max has no identity: the norm of nothing is 0
+    return jnp.zeros(rows.shape[:1], rows.dtype)
   peak = jnp.max(rows, axis=1)
   if is_order(p, math.inf):
     return peak
