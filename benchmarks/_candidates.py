@@ -29,6 +29,20 @@ def minimal_norm_clip(max_norm: float) -> optax.GradientTransformation:
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
+def floor_norm(tree: Any) -> jax.Array:
+  """The least global norm a run time can reach: one read of every leaf
+  (a sum of squares per leaf, in float32), no overflow care."""
+  return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32)))
+                      for x in jax.tree.leaves(tree)))
+
+
+def floor_clip(tree: Any) -> Any:
+  """The least global clip at `max_norm` 1: `floor_norm`, then one read and
+  one write of every leaf to scale."""
+  factor = jnp.minimum(1.0, 1.0 / floor_norm(tree))  # 1 at 0: 1 / 0 is inf
+  return jax.tree.map(lambda x: x * factor.astype(x.dtype), tree)
+
+
 # Fresh transforms for every measurement (compile-time targets build anew);
 # by name, so that a measurement in another process can pick them.
 CLIPS: dict[str, Callable[[], optax.GradientTransformation]] = {

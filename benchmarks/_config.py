@@ -1,5 +1,6 @@
 """The sizes and repeats of a run: `FULL`, `QUICK` (small sizes, a first look)
-or `SMOKE` (the smallest that runs every target's code, for tests)."""
+or `SMOKE` (the smallest that runs every target's code, for tests), and what
+`for_platform` changes on a GPU."""
 
 import dataclasses
 
@@ -30,6 +31,8 @@ class Config:
   many_leaves_runs: int  # fresh processes, each a full run of that target
   accuracy_size: int  # float32 elements in one vector
   half_shapes: tuple[tuple[int, ...], ...]  # the bf16/fp16 tree
+  large_tree: dict[str, int]  # `_trees.transformer_shapes` arguments of `large_*`
+  bandwidth_bytes: int  # the bandwidth probes' float32 vector
 
 
 FULL = Config(
@@ -44,7 +47,9 @@ FULL = Config(
     scanned=dict(vocab=32000, d_model=512, seq_len=1024), scanned_layers=(12, 48),
     scanned_clips=None,
     many_leaves=2000, many_leaves_runs=5, accuracy_size=10**8,
-    half_shapes=((1024, 1024),) * 4)
+    half_shapes=((1024, 1024),) * 4,
+    large_tree=dict(vocab=32000, d_model=512, layers=12, seq_len=1024),
+    bandwidth_bytes=1 << 28)
 QUICK = dataclasses.replace(
     FULL, mode="quick", repeats=5, train_step_repeats=7, standalone_repeats=7,
     compile_repeats=1, step_compile_repeats=1, compile_leaves=(50, 100),
@@ -54,7 +59,8 @@ QUICK = dataclasses.replace(
     traffic_parts=False,
     scanned=dict(vocab=4096, d_model=128, seq_len=256), scanned_layers=(4,),
     many_leaves=250, many_leaves_runs=2, accuracy_size=10**7,
-    half_shapes=((1024, 1024),) * 2)
+    half_shapes=((1024, 1024),) * 2,
+    large_tree=dict(vocab=32000, d_model=256, layers=8, seq_len=512), bandwidth_bytes=1 << 26)
 # Every target's code path (the traffic of large and small leaves apart
 # too: the tiny transformer's token embedding, 1100 x 32, is one large leaf)
 # and the report, on trees a loaded 2-core machine compiles in seconds (a
@@ -73,4 +79,23 @@ SMOKE = dataclasses.replace(
     scanned_clips=("clip_by_global_norm", "clip_by_global_norm(leaf_norms, layer_axis)",
                    "clip_by_norm(layer_axis)", "adaptive_grad_clip(layer_axis)"),
     many_leaves=16, many_leaves_runs=1, accuracy_size=10**4,
-    half_shapes=((64, 64),) * 2)
+    half_shapes=((64, 64),) * 2,
+    large_tree=dict(vocab=1100, d_model=32, layers=1, seq_len=32), bandwidth_bytes=1 << 20)
+
+# The GPT-style tree of 1.31B parameters (292 leaves, 5.24 GB in float32): a
+# GPU's only (a CPU run keeps the transformer tree).
+GPU_LARGE_TREE = dict(vocab=50304, d_model=2048, layers=24, seq_len=2048)
+# A full GPU run, in one 10-minute command on an H100 (benchmarks/README.md,
+# "On a GPU"): a GPU compiles ~4x slower than this project's CPUs, so one
+# size of the compile target (and a small one, whose first compiles are the
+# discarded ones), one run of many leaves.
+GPU_FULL = dict(large_tree=GPU_LARGE_TREE, bandwidth_bytes=1 << 30, compile_leaves=(50, 500),
+                step_compile_repeats=2, many_leaves_runs=1)
+
+
+def for_platform(config: Config, platform: str) -> Config:
+  """`config` on `platform` ("cpu" or "gpu"): a full GPU run's sizes are `GPU_FULL`."""
+  config = dataclasses.replace(config, platform=platform)
+  if platform == "gpu" and config.mode == "full":
+    config = dataclasses.replace(config, **GPU_FULL)
+  return config

@@ -1,5 +1,7 @@
-"""PyTorch, the reference for many small leaves and for accuracy: optional."""
+"""PyTorch, the reference for many small leaves, large trees, AdamW and
+accuracy: optional."""
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -14,3 +16,25 @@ def load(platform: str) -> tuple[Any, str | None, str]:
   if torch.cuda.is_available():
     return torch, "cuda", ""
   return None, None, "this torch has no CUDA"
+
+
+def synced(torch: Any, device: str, fn: Callable[[], Any]) -> Callable[[], None]:
+  """`fn`, waiting for the device: CUDA runs asynchronously, as JAX does."""
+  def call() -> None:
+    fn()
+    if device == "cuda":
+      torch.cuda.synchronize()
+  return call
+
+
+def parameters(torch: Any, device: str, shapes: Sequence[tuple[int, ...]], dtype_name: str,
+               seed: int) -> list[Any]:
+  """Parameters of `shapes` whose `.grad` holds N(0, 1) values, drawn on `device`."""
+  generator = torch.Generator(device=device).manual_seed(seed)
+  dtype = getattr(torch, dtype_name)
+  params = []
+  for shape in shapes:
+    p = torch.nn.Parameter(torch.randn(shape, device=device, dtype=dtype, generator=generator))
+    p.grad = torch.randn(shape, device=device, dtype=dtype, generator=generator)
+    params.append(p)
+  return params

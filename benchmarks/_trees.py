@@ -80,6 +80,15 @@ def normal_tree(shapes: Any, seed: int, dtype=jnp.float32) -> Any:
   return jax.tree.map(leaf, shapes, is_leaf=_is_shape)
 
 
+def random_tree(shapes: Any, seed: int, dtype=jnp.float32) -> Any:
+  """`normal_tree`'s distribution drawn on the default device: a tree of
+  gigabytes is not built on the host and copied."""
+  leaves, treedef = jax.tree.flatten(shapes, is_leaf=_is_shape)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return treedef.unflatten([jax.random.normal(key, shape, dtype)
+                            for key, shape in zip(keys, leaves)])
+
+
 def normal_arrays(count: int, size: int, seed: int) -> list[np.ndarray]:
   """`count` float32 numpy vectors of `size` N(0, 1) values."""
   rng = np.random.default_rng(seed)

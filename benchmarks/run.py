@@ -5,7 +5,7 @@ against optax and PyTorch.
     python benchmarks/run.py --quick          # small sizes, a first look
     python benchmarks/run.py --smoke          # tiny sizes, 1 round: the test's run
     python benchmarks/run.py --only compile,traffic --out /tmp/bench
-    python benchmarks/run.py --platform gpu   # JAX's GPU backend
+    python benchmarks/run.py --platform gpu   # JAX's GPU backend: the GPU targets
 
 Writes `README.md` (each target's numbers beside its threshold), `results.json`
 and PNG plots to `benchmarks/results/` (or `--out`). What each target
@@ -23,9 +23,14 @@ if str(ROOT) not in sys.path:  # benchmark the checkout, installed or not
   sys.path.insert(0, str(ROOT))
 
 from benchmarks import _report, _timing  # noqa: E402
-from benchmarks._config import FULL, QUICK, SMOKE  # noqa: E402
+from benchmarks._config import FULL, QUICK, SMOKE, for_platform  # noqa: E402
 from benchmarks.targets import TARGETS  # noqa: E402
-from benchmarks.targets._base import needs_own_process, run_job, select_platform  # noqa: E402
+from benchmarks.targets._base import (  # noqa: E402
+  needs_own_process,
+  process_environment,
+  run_job,
+  select_platform,
+)
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
@@ -41,13 +46,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                           "writes the report, in well under a minute of compiles")
   parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                       help=f"output folder (default: {DEFAULT_OUT.relative_to(ROOT)})")
-  parser.add_argument("--only", default=",".join(TARGETS),
-                      help=f"comma-separated targets to run: {', '.join(TARGETS)}")
+  parser.add_argument("--only", default=None,
+                      help=f"comma-separated targets to run: {', '.join(TARGETS)} "
+                           "(default: those of the platform, benchmarks/README.md)")
   parser.add_argument("--platform", choices=("cpu", "gpu"), default="cpu",
                       help="JAX backend to run on (default: cpu)")
   parser.add_argument("--no-skip", action="store_true",
                       help="compile optax's clip at every size, however slow")
   args = parser.parse_args(argv)
+  if args.only is None:
+    args.only = ",".join(key for key, t in TARGETS.items() if args.platform in t.platforms)
   args.only = [name.strip() for name in args.only.split(",") if name.strip()]
   unknown = [name for name in args.only if name not in TARGETS]
   args.only = [name for name in TARGETS if name in args.only]  # in report order
@@ -61,21 +69,22 @@ def main(argv: list[str] | None = None) -> None:
   args = parse_args(argv)
   select_platform(args.platform)
   base = SMOKE if args.smoke else QUICK if args.quick else FULL
-  config = dataclasses.replace(base, platform=args.platform)
+  config = for_platform(base, args.platform)
   if args.no_skip:
     config = dataclasses.replace(config, compile_skip_s=None)
   args.out.mkdir(parents=True, exist_ok=True)
   env = _report.environment()
-  numbers = {key: i for i, key in enumerate(TARGETS, start=1)}
+  numbers = {key: i for i, key in enumerate(args.only, start=1)}
   sections, measured = [], {}
   with _timing.Timer() as total:
     for key in args.only:
       target = TARGETS[key]
-      print(f"[{numbers[key]}/{len(TARGETS)}] {key} ...", end=" ", flush=True)
+      print(f"[{numbers[key]}/{len(args.only)}] {key} ...", end=" ", flush=True)
       with _timing.Timer() as timer:
         # Every job in a fresh process (see `_timing.in_fresh_process`); in a
         # smoke run, only those that need one.
-        measured[key] = [_timing.in_fresh_process(run_job, key, config, job, env=target.env)
+        measured[key] = [_timing.in_fresh_process(run_job, key, config, job,
+                                                  env=process_environment(target))
                          if config.fresh_processes or needs_own_process(job)
                          else run_job(key, config, job)
                          for job in target.jobs(config)]

@@ -22,12 +22,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
 
-from benchmarks import _candidates  # noqa: E402
-from benchmarks.targets._base import select_platform  # noqa: E402
+from benchmarks import _candidates, _config, _timing  # noqa: E402
+from benchmarks.targets import TARGETS as ALL_TARGETS  # noqa: E402
+from benchmarks.targets import large_step  # noqa: E402
+from benchmarks.targets._base import process_environment, select_platform  # noqa: E402
 
 RUN = ROOT / "benchmarks" / "run.py"
 TARGETS = ("compile_step", "compile", "traffic", "guards", "scanned", "train_step", "standalone",
-           "many_leaves", "accuracy", "fallback")
+           "many_leaves", "large_tree", "large_step", "accuracy", "fallback")
 
 
 def _section(markdown: str, key: str) -> str:
@@ -43,8 +45,9 @@ def test_smoke_run_writes_every_table_and_plot(tmp_path):
   # on the default single device.
   env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
                             env.get("XLA_FLAGS", "")).strip()
-  result = run_process([sys.executable, str(RUN), "--smoke", "--out", str(tmp_path)],
-                       env=env)
+  # Every target, the GPU's too (`large_*`: their code on the CPU, tiny trees).
+  result = run_process([sys.executable, str(RUN), "--smoke", "--only", ",".join(TARGETS),
+                        "--out", str(tmp_path)], env=env)
   assert result.returncode == 0, result.stdout + result.stderr
 
   markdown = (tmp_path / "README.md").read_text()
@@ -78,6 +81,11 @@ def test_smoke_run_writes_every_table_and_plot(tmp_path):
   # passes, beyond the clipped step, and the same without the rescue branch
   assert re.search(r"\| skip_step\(adamw\) \| [\d.]+ \| \*\*\+[\d.]+\*\* \| \+[\d.]+ \|",
                    guards), "no passes without the rescue branch"
+  assert "| bfloat16 | clip | floor: two reads and a write |" in _section(markdown,
+                                                                        "large_tree")
+  for row in ("| optaxclip + adamw | ", "| skip_step(optaxclip + adamw, zscore=6) | ",
+              "| floor: one read | "):
+    assert row in _section(markdown, "large_step"), row
   for key, what in (("compile_step", "extra step compile time"),
                     ("compile", "extra compile time")):
     assert "Against the minimal norm" in _section(markdown, key), key
@@ -111,6 +119,60 @@ def test_benchmark_processes_compile_without_the_persistent_cache():
     assert not jax.config.jax_enable_compilation_cache
   finally:
     jax.config.update("jax_enable_compilation_cache", True)
+
+
+def test_benchmark_processes_do_not_preallocate_device_memory(monkeypatch):
+  # Issue 28: on a GPU the driver held 75% of the memory and each job's
+  # process asked for 75% more. The driver sets the variable before any
+  # backend starts, and every job's process starts with it.
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+  try:
+    select_platform("cpu")
+  finally:
+    jax.config.update("jax_enable_compilation_cache", True)
+  assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE")
+  env = process_environment(ALL_TARGETS["large_step"])
+  assert env["MALLOC_ARENA_MAX"] == "1"  # the target's own settings kept
+  child = _timing.in_fresh_process(os.getenv, "XLA_PYTHON_CLIENT_PREALLOCATE", env=env)
+  assert child == "false"
+  assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ  # the driver's restored
+
+
+def test_gpu_sizes_and_targets_only_on_a_gpu():
+  for base in (_config.FULL, _config.QUICK, _config.SMOKE):
+    assert _config.for_platform(base, "cpu").large_tree != _config.GPU_LARGE_TREE
+  gpu = _config.for_platform(_config.FULL, "gpu")
+  assert gpu.large_tree == _config.GPU_LARGE_TREE and gpu.platform == "gpu"
+  assert _config.for_platform(_config.SMOKE, "gpu").large_tree == _config.SMOKE.large_tree
+  on_gpu = [key for key, t in ALL_TARGETS.items() if "gpu" in t.platforms]
+  assert on_gpu == ["compile_step", "many_leaves", "large_tree", "large_step", "accuracy"]
+  assert not [key for key, t in ALL_TARGETS.items()
+              if key.startswith("large_") and "cpu" in t.platforms]
+
+
+def test_large_step_shares_only_the_large_moments():
+  shapes = {"w": (300, 256), "b": (256,)}
+  params = {k: jnp.ones(s, jnp.float32) for k, s in shapes.items()}
+  pool = {}
+  states = [large_step._shared(large_step.STEPS[name]().init(params), pool)
+            for name in ("adamw", "optaxclip + adamw", "skip_step(optaxclip + adamw, zscore=6)")]
+  big = [[x for x in jax.tree.leaves(s) if x.size >= large_step.SHARED_SIZE] for s in states]
+  assert [len(b) for b in big] == [2, 2, 2]  # mu and nu of "w", in every state
+  assert all(a is b for a, b in zip(big[0], big[1])) and big[0][0] is not big[0][1]
+  small = [[x for x in jax.tree.leaves(s) if x.shape == (256,)] for s in states[:2]]
+  assert not any(a is b for a, b in zip(*small))
+
+
+def test_floor_programs_are_the_global_norm_and_clip():
+  grads = {"a": jnp.arange(6.0).reshape(2, 3), "b": jnp.array([-4.0, 3.0], jnp.bfloat16)}
+  np.testing.assert_allclose(_candidates.floor_norm(grads), oc.functional.global_norm(grads),
+                             rtol=1e-6)
+  want, _ = oc.clip_by_global_norm(1.0).update(grads, oc.clip_by_global_norm(1.0).init(grads))
+  for got, expected in zip(jax.tree.leaves(_candidates.floor_clip(grads)),
+                           jax.tree.leaves(want)):
+    assert got.dtype == expected.dtype
+    np.testing.assert_allclose(np.float32(got), np.float32(expected), rtol=1e-2)
 
 
 def test_minimal_norm_clips_as_the_global_norm_clip():

@@ -5,6 +5,8 @@ from benchmarks.targets import (
   compile_time,
   fallback,
   guards,
+  large_step,
+  large_tree,
   many_leaves,
   scanned,
   standalone,
@@ -22,6 +24,8 @@ TARGETS: dict[str, Target] = {t.key: t for t in (
     train_step.TARGET,
     standalone.TARGET,
     many_leaves.TARGET,
+    large_tree.TARGET,
+    large_step.TARGET,
     accuracy.TARGET,
     fallback.TARGET,
 )}

@@ -1,6 +1,7 @@
 """What a target is: numbers measured in fresh processes, then a section."""
 
 import dataclasses
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +28,18 @@ class Target:
   render: Callable[[Config, list[dict[str, Any]]], Section]
   jobs: Callable[[Config], list[dict[str, Any]]] = _one_job
   env: dict[str, str] = dataclasses.field(default_factory=dict)  # of its processes
+  platforms: tuple[str, ...] = ("cpu",)  # where a run without `--only` includes it
+
+
+# Every benchmark process allocates device memory as it needs it: by XLA's
+# default the driver would hold 75% of a GPU, and each job's process ask for
+# 75% more and fail (issue 28). Ignored on a CPU.
+DEVICE_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+
+
+def process_environment(target: Target) -> dict[str, str]:
+  """What a fresh process measuring `target` adds to the environment."""
+  return {**DEVICE_ENV, **target.env}
 
 
 def describe_tree(tree: Any) -> str:
@@ -37,7 +50,10 @@ def describe_tree(tree: Any) -> str:
 def select_platform(name: str) -> None:
   """Runs JAX on `name`'s backend, or exits saying why it cannot; without
   the persistent compilation cache (`JAX_COMPILATION_CACHE_DIR`), so that
-  every compile timed is a compile, not a read of an earlier one."""
+  every compile timed is a compile, not a read of an earlier one; and
+  without preallocating device memory (`DEVICE_ENV`), for this process and
+  those it starts, before any backend is initialised."""
+  os.environ.update(DEVICE_ENV)
   jax.config.update("jax_enable_compilation_cache", False)
   if name == "cpu":
     jax.config.update("jax_platforms", "cpu")

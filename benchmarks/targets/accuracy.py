@@ -92,4 +92,4 @@ def render(config: Config, results: list[dict[str, Any]]) -> Section:
       checks=checks, notes=[f"PyTorch left out: {missing}."] if missing else [])
 
 
-TARGET = Target("accuracy", measure, render)
+TARGET = Target("accuracy", measure, render, platforms=("cpu", "gpu"))

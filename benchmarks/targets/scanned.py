@@ -23,12 +23,10 @@ from benchmarks._timing import (
   timed_compile,
 )
 from benchmarks.targets._base import Target, describe_tree, select_platform
-from benchmarks.targets.compile_time import ALONE_RATIO_LIMIT, STEP_EXTRA_LIMIT
 from benchmarks.targets.standalone import clip_call
 
 PyTree = Any
 Build = Callable[[PyTree], optax.GradientTransformation]
-
 
 
 def _with_params(tx: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -190,19 +188,20 @@ def _clip_rows(layers: int, name: str, c: dict[str, list[float]],
   alone = median_ratio(c[name], c["optax.scale"])
   ratio = median_ratio(run[name], run[reference])
   low, high = median_ratio_interval(run[name], run[reference])
-  outcomes = (extra <= STEP_EXTRA_LIMIT, alone <= ALONE_RATIO_LIMIT, low <= 1.0)
+  tie = low <= 1.0
+  # The compile times beside AdamW's and optax.scale's are information: the
+  # step's counterpart row below and the run time are judged (issue 28).
   rows = [
       [str(layers), name, "compile, step (s)", f"{med[f'{name} + adamw']:.3f}",
        f"{med[f'{reference} + adamw']:.3f}", f"adamw {med['adamw']:.3f}",
-       f"**{extra:+.1%}** extra ({reference} {ref_extra:+.1%})",
-       f"<= {STEP_EXTRA_LIMIT:.0%}", verdict(outcomes[0])],
+       f"{extra:+.1%} extra ({reference} {ref_extra:+.1%})", "", "info"],
       [str(layers), name, "compile, clip alone (s)", f"{med[name]:.3f}",
        f"{med[reference]:.3f}", f"optax.scale {med['optax.scale']:.3f}",
-       f"**{alone:.2f}** x scale", f"<= {ALONE_RATIO_LIMIT}", verdict(outcomes[1])],
+       f"{alone:.2f} x scale", "", "info"],
       [str(layers), name, "run, clip alone (ms)", ms(statistics.median(run[name])),
        ms(statistics.median(run[reference])), "",
        f"**{ratio:.3f}** x {reference} ({interval(low, high)})",
-       "interval contains 1.0 or below", verdict(outcomes[2])],
+       "interval contains 1.0 or below", verdict(tie)],
   ]
   counterpart = [_counterpart_row(layers, name, c)] if name in COUNTERPARTS else []
   rows += [row for row, _ in counterpart]
@@ -217,12 +216,8 @@ def _clip_rows(layers: int, name: str, c: dict[str, list[float]],
                  f"{traffic[reference][measure_]:.3f}", floor_text, "", "", "info"])
   what = f"{layers} layers: {name}"
   checks = [
-      Check(f"{what}: extra compile time of the step / adamw's", f"{extra:+.1%}",
-            f"<= {STEP_EXTRA_LIMIT:.0%}", outcomes[0]),
-      Check(f"{what}: compile alone / optax.scale", f"{alone:.2f}",
-            f"<= {ALONE_RATIO_LIMIT}", outcomes[1]),
       Check(f"{what}: run time / {reference}, 95% interval", interval(low, high),
-            "contains 1.0 or below", outcomes[2]),
+            "contains 1.0 or below", tie),
       *(check for _, check in counterpart),
   ]
   return rows, checks
