@@ -15,11 +15,14 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+try:  # plots only: a machine without matplotlib (a lent GPU host) still reports
+  import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
-import matplotlib.ticker  # noqa: E402
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import matplotlib.ticker
+except ImportError:
+  matplotlib = None
 
 DEFINITIONS = Path(__file__).resolve().parent / "README.md"
 
@@ -208,8 +211,11 @@ def _plot_runtimes(sections: list[Section], path: Path) -> None:
 
 
 def write_plots(sections: list[Section], out: Path) -> list[str]:
-  """Writes the PNGs the sections have data for; returns their file names."""
+  """Writes the PNGs the sections have data for; returns their file names
+  (none without matplotlib)."""
   written = []
+  if matplotlib is None:
+    return written
   for section in sections:
     for plot in section.plots:
       _plot_loglog(plot, out / plot.file)

@@ -9,8 +9,10 @@ Transforms say *what* they measure and get back what they need::
     clipped = scale_leaves(updates, measured.to_leaves(factors))
 
 Inside (docs/design.md): ``_measure`` (``measure``, ``Measured``), ``_kept``
-(which axes a view keeps), ``_norms`` (the compiled, differentiable norm),
-``_sums`` (powers, the plain power sums and the overflow rescue),
+(which axes a view keeps), ``_norms`` (the compiled, differentiable norm,
+its kernel chosen by platform), ``_sums`` (the CPU kernel: powers, the
+plain power sums and the overflow rescue), ``_one_pass`` (the GPU/TPU
+kernel: one read, no conditional),
 ``_tangents`` (the derivative by formula), ``_exact`` (exact powers of
 two), ``_batching`` (small leaves grouped for compile time) and ``_mesh``
 (specs, the one all-reduce, layouts); ``_partials`` (pipeline stages'
