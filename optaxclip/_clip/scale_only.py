@@ -11,6 +11,8 @@ contrast, leaves leaves out of the norm as well.
 
 ``scale_only`` is a tree prefix of the gradients with bool leaves, or a
 callable from the gradients to one; it is static (it chooses the program).
+``nonfinite="zero"`` still zeroes every leaf of a step whose norm is NaN or
+Inf: the step is dropped, not only its scaled part.
 """
 
 from collections.abc import Callable
