@@ -39,6 +39,8 @@ from optaxclip._guards.skip import SkipState as SkipState
 from optaxclip._guards.skip import SkipStats as SkipStats
 from optaxclip._guards.skip import skip_step as skip_step
 from optaxclip._stats.registry import stats as stats
+from optaxclip._stats.stall import ClipStallWarning as ClipStallWarning
+from optaxclip._stats.stall import check_stall as check_stall
 
 __version__ = "0.1.0"
 
@@ -48,6 +50,7 @@ __all__ = [
     "AttentionHeads",
     "AutoClipState",
     "BlockRMSState",
+    "ClipStallWarning",
     "ClipState",
     "GroupClipState",
     "LossScaleState",
@@ -62,6 +65,7 @@ __all__ = [
     "adagc",
     "adaptive_grad_clip",
     "auto_clip",
+    "check_stall",
     "clip_by_block_rms",
     "clip_by_global_norm",
     "clip_by_norm",

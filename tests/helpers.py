@@ -255,7 +255,7 @@ def run(tx, grads, jit=True, state=None):
 # What optaxclip.stats reports for each kind of state
 
 CLIP_KEYS = {"norm", "scale", "count", "clipped_count", "nonfinite_count",
-             "clip_rate"}
+             "min_scale", "floor_count", "clip_rate"}
 ZCLIP_KEYS = {"norm", "mean", "std", "z", "threshold", "scale", "count",
               "clipped_count", "spike_count", "nonfinite_count", "clip_rate"}
 SKIP_KEYS = {"norm", "count", "skipped_count", "forced_count", "nonfinite_count",

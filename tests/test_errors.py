@@ -67,6 +67,7 @@ FUNCTIONS = {
     "qk_clip": lambda **k: oc.qk_clip(**{"heads": QK_HEADS, **k}),
     "F.qk_clip": lambda **k: F.qk_clip(
         **{"params": GRADS, "max_logits": jnp.ones(3), "heads": QK_HEADS, **k}),
+    "check_stall": lambda **k: oc.check_stall(**{"opt_state": {}, **k}),
 }
 
 
@@ -488,6 +489,25 @@ BAD_ARGUMENTS = [
        rf"`{name}`: update needs the {state} that `init` \(or the previous "
        r"update\) returned, got state=EmptyState\(\)")
       for name, state in STATEFUL.items()],
+    # --- Muon-safe clipping: the stall guard's floor, scale_only ------------------
+    *_rows(["clip_by_norm", "clip_by_global_norm", "clip_grad_norm"], "floor", [
+        (-1.0, ValueError, r" must be a number in \[0, 1\], got -1.0"),
+        (2.0, ValueError, r" must be a number in \[0, 1\], got 2.0"),
+        (math.nan, ValueError, r" must be a number in \[0, 1\], got nan"),
+        ("1e-4", TypeError, r" must be a real number, got '1e-4'")]),
+    *_rows(["clip_by_global_norm", "clip_grad_norm"], "scale_only", [
+        ({"w": "yes"}, TypeError, r" must hold bools \(True: the leaf is scaled\), got 'yes'"),
+        ({"w": jnp.array(True)}, TypeError,
+         r" chooses which leaves are scaled and must be static")]),
+    *_rows(["clip_by_global_norm.init", "clip_grad_norm.init"], "scale_only", [
+        ({"nope": True}, ValueError, r" must be a tree prefix of the gradients with bool "
+         r"leaves .*; it does not match the gradient tree")]),
+    ("clip_by_global_norm", {"groups": "a", "scale_only": True}, ValueError,
+     r"`clip_by_global_norm`: pass `groups=` or `scale_only=`, not both"),
+    *_rows(["check_stall"], "max_floor_steps", [
+        (-1, ValueError, r" must be an int >= 0 \(steps\), got -1"),
+        (1.5, TypeError, r" must be an int >= 0 \(steps\), got 1.5"),
+        (True, TypeError, r" must be an int >= 0 \(steps\), got True")]),
     ("loss_scale", {"opt_state": optax.adam(0.1).init(GRADS)}, ValueError,
      r"`loss_scale\(opt_state\)` needs exactly one dynamic_loss_scale state in the "
      r"optimizer state, found no: build the optimizer with"),
@@ -538,7 +558,7 @@ def test_every_public_name_is_in_the_table():
   named = {_name(name).replace("\\", "") for name, *_ in BAD_ARGUMENTS}
   public = set(oc.__all__) | set(F.__all__)
   stateless = {"functional", "stats", "PerExampleClip", "NonFiniteGradientError",
-               "PartialNorm",
+               "PartialNorm", "ClipStallWarning",
                "AttentionHeads"}  # checked by qk_clip(heads=...)
   public = {n for n in public if not n.endswith("State") and n != "SkipStats"}
   assert public - stateless <= named, public - stateless - named

@@ -15,7 +15,8 @@ import optax
 
 from optaxclip import _core, _tree, _validation
 from optaxclip._clip import on_nonfinite, per_group, scaling
-from optaxclip._clip.state import ClipState, init_clip_state
+from optaxclip._clip import scale_only as subset
+from optaxclip._clip.state import DEFAULT_FLOOR, ClipState, init_clip_state
 from optaxclip._types import AxisName, NonFinite, Ord, PyTree, Scalar
 
 PYTORCH_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ divides by norm + 1e-6
@@ -42,14 +43,17 @@ def _clip_each(fn: str, tree: PyTree, max_norm, p, eps, where: _core.Where,
 
 
 def _clip_global(fn: str, tree: PyTree, max_norm, p, eps, where: _core.Where,
-                 kept: _core.Kept, given=None) -> _Clipped:
+                 kept: _core.Kept, given=None, *,
+                 only: list[bool] | None = None) -> _Clipped:
   """The tree clipped by its global norm (``kept``: the leaf norms to keep
-  from the same pass, or ``TOTAL``; ``given``: a norm measured upstream)."""
+  from the same pass, or ``TOTAL``; ``given``: a norm measured upstream;
+  ``only``: the leaves to scale, all measured)."""
   measured = _core.measure(fn, tree, p, where, kept,
                            given=given if kept is _core.TOTAL else None)
   factor = scaling.clip_factor(measured.total, max_norm, eps)
-  return _Clipped(scaling.scale_leaves(tree, factor), measured.total, factor,
-                  measured)
+  scaled = (scaling.scale_leaves(tree, factor) if only is None
+            else scaling.scale_some(tree, factor, only))
+  return _Clipped(scaled, measured.total, factor, measured)
 
 
 def _checked(fn: str, max_norm, ord, eps, axis_name, specs, ord_name="ord"):
@@ -167,22 +171,34 @@ def clip_by_global_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
   return scaling.scale_leaves(tree, factor), norm
 
 
+def _checked_floor(fn: str, floor: Scalar | None) -> Scalar | None:
+  return None if floor is None else _validation.check_unit_interval(
+      fn, "floor", floor)
+
+
 def _norm_clipper(fn: str, max_norm, p, eps, where: _core.Where,
                   nonfinite: NonFinite, *, per_leaf: bool, leaf_norms: bool,
-                  layer_axis: PyTree) -> optax.GradientTransformationExtraArgs:
+                  layer_axis: PyTree, floor: Scalar | None,
+                  only: subset.ScaleOnly = None
+                  ) -> optax.GradientTransformationExtraArgs:
   """The transform: measure -> factor -> scale -> state (``ClipState``).
   ``update(..., grad_norm=...)``: the global norm of these updates,
   measured beforehand (a number, or passed on by ``skip_step`` and
-  ``dynamic_loss_scale``): nothing is read to measure it again."""
+  ``dynamic_loss_scale``): nothing is read to measure it again.
+  ``only``: ``scale_only`` (global clippers)."""
   _validation.check_choice(fn, "nonfinite", nonfinite, on_nonfinite.MODES)
   _validation.check_bool(fn, "leaf_norms", leaf_norms)
   layers = _core.layers(_validation.check_layer_axis(fn, layer_axis))
+  floor = _checked_floor(fn, floor)
+  only = subset.check(fn, only)
   clip = _clip_each if per_leaf else _clip_global
   kept = layers if per_leaf or leaf_norms else _core.TOTAL
 
   def init_fn(params):
     _core.unit_shapes(fn, params, layers)  # a layer axis that fits, or an error
-    return init_clip_state(fn, params, kept=layers if leaf_norms else None)
+    subset.flags(fn, params, only)  # a scale_only that fits, or an error
+    return init_clip_state(fn, params, kept=layers if leaf_norms else None,
+                           floor=floor)
 
   def update_fn(updates, state, params=None, *, grad_norm=None, **extra_args):
     del params, extra_args
@@ -190,7 +206,11 @@ def _norm_clipper(fn: str, max_norm, p, eps, where: _core.Where,
       state = init_fn(updates)
     _validation.check_state(fn, state, ClipState)
     _validation.check_tree(fn, "the tree", updates)
-    clipped = clip(fn, updates, max_norm, p, eps, where, kept, grad_norm)
+    flags = subset.flags(fn, updates, only)
+    clipped = (clip(fn, updates, max_norm, p, eps, where, kept, grad_norm)
+               if flags is None else
+               _clip_global(fn, updates, max_norm, p, eps, where, kept,
+                            grad_norm, only=flags))
     finite = jnp.isfinite(clipped.norm)
     out, factor = clipped.tree, clipped.factor
     if nonfinite != "propagate":
@@ -199,7 +219,7 @@ def _norm_clipper(fn: str, max_norm, p, eps, where: _core.Where,
       (factor,) = on_nonfinite.guard(nonfinite, fn, updates, clipped.norm,
                                      [factor], [finite])
       out = on_nonfinite.zeroed(nonfinite, out, finite)
-    return out, state.after(clipped.norm, factor, finite=finite,
+    return out, state.after(clipped.norm, factor, finite=finite, floor=floor,
                             measured=clipped.measured if leaf_norms else None)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -208,7 +228,8 @@ def _norm_clipper(fn: str, max_norm, p, eps, where: _core.Where,
 def clip_by_norm(max_norm: Scalar, *, ord: Ord = 2, eps: Scalar = 0.0,
                  axis_name: AxisName = None, specs: PyTree = None,
                  nonfinite: NonFinite = "propagate", layer_axis: PyTree = None,
-                 leaf_norms: bool = False) -> optax.GradientTransformation:
+                 leaf_norms: bool = False, floor: Scalar | None = DEFAULT_FLOOR
+                 ) -> optax.GradientTransformation:
   """Clips every leaf of the updates by its own norm.
 
   The transform form of ``optaxclip.functional.clip_by_norm``; its state
@@ -228,6 +249,7 @@ def clip_by_norm(max_norm: Scalar, *, ord: Ord = 2, eps: Scalar = 0.0,
     leaf_norms: keep every leaf's (and layer's) norm in the state
       (``clip/leaf_norm/<path>``, ``clip/layer_norm/<path>/<layer>`` in
       ``optaxclip.stats``).
+    floor: as in ``clip_by_global_norm``.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a ``ClipState``.
@@ -243,14 +265,17 @@ def clip_by_norm(max_norm: Scalar, *, ord: Ord = 2, eps: Scalar = 0.0,
   fn = "clip_by_norm"
   max_norm, p, eps, where = _checked(fn, max_norm, ord, eps, axis_name, specs)
   return _norm_clipper(fn, max_norm, p, eps, where, nonfinite, per_leaf=True,
-                       leaf_norms=leaf_norms, layer_axis=layer_axis)
+                       leaf_norms=leaf_norms, layer_axis=layer_axis,
+                       floor=floor)
 
 
 def clip_by_global_norm(max_norm: Scalar | dict[str, Scalar], *, ord: Ord = 2,
                         eps: Scalar = 0.0, axis_name: AxisName = None,
                         specs: PyTree = None, nonfinite: NonFinite = "propagate",
                         leaf_norms: bool = False, layer_axis: PyTree = None,
-                        groups: per_group.Labels = None
+                        groups: per_group.Labels = None,
+                        floor: Scalar | None = DEFAULT_FLOOR,
+                        scale_only: subset.ScaleOnly = None
                         ) -> optax.GradientTransformation:
   """Scales the updates so that their global norm is at most ``max_norm``.
 
@@ -280,6 +305,12 @@ def clip_by_global_norm(max_norm: Scalar | dict[str, Scalar], *, ord: Ord = 2,
     groups: labels (a tree prefix of strings, as ``optax.partition``'s, or a
       callable of the updates): each group is clipped by its own norm, from
       one pass; the state is then a ``GroupClipState`` (``clip/<label>/...``).
+    floor: the stall guard: steps whose factor falls under it are counted
+      (``clip/floor_count``; the smallest factor is ``clip/min_scale``), a
+      number in [0, 1] or None (not counted); docs/muon.md.
+    scale_only: the leaves to scale (a tree prefix of bools, or a callable
+      of the updates): all are measured, those marked False pass through
+      (Muon's matrices; docs/muon.md). None: all are scaled.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a ``ClipState``.
@@ -300,16 +331,24 @@ def clip_by_global_norm(max_norm: Scalar | dict[str, Scalar], *, ord: Ord = 2,
   where = _core.Where.of(fn, axis_name, specs)
   max_norm = per_group.check_max_norms(fn, max_norm, groups is not None)
   if groups is not None:
+    if scale_only is not None:
+      raise ValueError(
+          f"`{fn}`: pass `groups=` or `scale_only=`, not both: a group's "
+          f"leaves are scaled by the group's own norm")
     return per_group.group_clipper(fn, max_norm, p, eps, where, nonfinite, groups,
-                                   leaf_norms=leaf_norms, layer_axis=layer_axis)
+                                   leaf_norms=leaf_norms, layer_axis=layer_axis,
+                                   floor=_checked_floor(fn, floor))
   return _norm_clipper(fn, max_norm, p, eps, where, nonfinite, per_leaf=False,
-                       leaf_norms=leaf_norms, layer_axis=layer_axis)
+                       leaf_norms=leaf_norms, layer_axis=layer_axis,
+                       floor=floor, only=scale_only)
 
 
 def clip_grad_norm(max_norm: Scalar, norm_type: Ord = 2.0, *,
                    error_if_nonfinite: bool = False,
                    axis_name: AxisName = None, specs: PyTree = None,
-                   leaf_norms: bool = False, layer_axis: PyTree = None
+                   leaf_norms: bool = False, layer_axis: PyTree = None,
+                   floor: Scalar | None = DEFAULT_FLOOR,
+                   scale_only: subset.ScaleOnly = None
                    ) -> optax.GradientTransformation:
   """PyTorch's ``torch.nn.utils.clip_grad_norm_`` as an Optax transform.
 
@@ -328,6 +367,8 @@ def clip_grad_norm(max_norm: Scalar, norm_type: Ord = 2.0, *,
     specs: as in ``clip_by_global_norm``.
     leaf_norms: as in ``clip_by_global_norm``.
     layer_axis: as in ``clip_by_global_norm`` (per-layer leaf norms).
+    floor: as in ``clip_by_global_norm``.
+    scale_only: as in ``clip_by_global_norm``.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a ``ClipState``.
@@ -348,4 +389,4 @@ def clip_grad_norm(max_norm: Scalar, norm_type: Ord = 2.0, *,
   nonfinite = "raise" if error_if_nonfinite else "propagate"
   return _norm_clipper(fn, max_norm, p, PYTORCH_EPS, where, nonfinite,
                        per_leaf=False, leaf_norms=leaf_norms,
-                       layer_axis=layer_axis)
+                       layer_axis=layer_axis, floor=floor, only=scale_only)

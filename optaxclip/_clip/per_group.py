@@ -134,9 +134,11 @@ def _checked_labels(fn: str, updates: PyTree, groups: Labels,
 
 def group_clipper(fn: str, max_norm, p, eps, where: _core.Where,
                   nonfinite: NonFinite, groups: Labels, *, leaf_norms: bool,
-                  layer_axis: PyTree) -> optax.GradientTransformation:
+                  layer_axis: PyTree, floor: Any = None
+                  ) -> optax.GradientTransformation:
   """``clip_by_global_norm`` with ``groups``: each clipped by its own norm,
-  all from one pass over the gradients and one all-reduce."""
+  all from one pass over the gradients and one all-reduce (``floor``: the
+  stall guard's, checked, counted per group)."""
   _validation.check_choice(fn, "nonfinite", nonfinite, on_nonfinite.MODES)
   _validation.check_bool(fn, "leaf_norms", leaf_norms)
   layers = _core.layers(_validation.check_layer_axis(fn, layer_axis))
@@ -149,7 +151,8 @@ def group_clipper(fn: str, max_norm, p, eps, where: _core.Where,
       limit_of(fn, max_norm, label)
     _core.unit_shapes(fn, params, layers)  # a layer axis that fits, or an error
     kept = leaf_stats.zeros(fn, params, layers, dtype) if leaf_norms else ()
-    return GroupClipState({label: ClipState.fresh(dtype) for label in labels},
+    return GroupClipState({label: ClipState.fresh(dtype, floor=floor)
+                           for label in labels},
                           *kept)
 
   def update_fn(updates, state, params=None):
@@ -171,7 +174,7 @@ def group_clipper(fn: str, max_norm, p, eps, where: _core.Where,
         nonfinite, scaling.scale_leaves(updates, [factors[label] for label in labels]),
         [finite[label] for label in labels])
     new_groups = {label: old.after(norms[label], factors[label],
-                                   finite=finite[label])
+                                   finite=finite[label], floor=floor)
                   for label, old in state.groups.items()}
     kept = ()
     if leaf_norms:  # the state's dtype (no group at all: an empty tree)

@@ -67,3 +67,11 @@ def scale_leaves(tree: PyTree, factors: jax.Array | list[jax.Array]
                                        tree)
   return _tree.map_clippable_indexed(lambda x, i: _scale_leaf(x, factors[i]),
                                      tree)
+
+
+def scale_some(tree: PyTree, factor: jax.Array, only: list[bool]) -> PyTree:
+  """Multiplies the clippable leaves that ``only`` marks (one bool each, in
+  tree order) by ``factor``; the others are returned as they are, not
+  multiplied by 1 (no pass over them, the same bits)."""
+  return _tree.map_clippable_indexed(
+      lambda x, i: _scale_leaf(x, factor) if only[i] else x, tree)
