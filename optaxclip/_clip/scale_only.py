@@ -52,7 +52,8 @@ def check(fn: str, scale_only: Any) -> Any:
   """``scale_only``: None, a callable, or a tree of bools (else a TypeError
   when the transform is built; whether it fits the gradients is known at
   ``init``)."""
-  _validation.check_not_scheduled(fn, _ARG)
+  _validation.check_static(fn, _ARG, scale_only,
+                           "bools, a tree prefix of them, or a callable")
   if scale_only is None or (callable(scale_only)
                             and not isinstance(scale_only, jax.Array)):
     return scale_only
