@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from optaxclip import _core, _tree, _validation
-from optaxclip._clip import on_nonfinite, per_group, scaling
+from optaxclip._clip import masking, on_nonfinite, per_group, scaling
 from optaxclip._clip.state import ClipState, init_clip_state
 from optaxclip._types import AxisName, NonFinite, Ord, PyTree, Scalar
 
@@ -62,7 +62,8 @@ def _checked(fn: str, max_norm, ord, eps, axis_name, specs, ord_name="ord"):
 
 def clip_by_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
                     eps: Scalar = 0.0, axis_name: AxisName = None,
-                    specs: PyTree = None, layer_axis: PyTree = None) -> PyTree:
+                    specs: PyTree = None, layer_axis: PyTree = None,
+                    expert_axis: PyTree = None) -> PyTree:
   """Clips every leaf of ``tree`` by its own ``ord``-norm.
 
   Each floating leaf ``x`` becomes ``x * s``, ``s = max_norm / (norm(x) +
@@ -81,6 +82,8 @@ def clip_by_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
     specs: with ``axis_name``, the updates' ``PartitionSpec`` (a tree prefix).
     layer_axis: the axis that stacks scanned layers (an int, or a tree
       prefix of int or None): each layer's slice is clipped on its own.
+    expert_axis: the axis that stacks experts (as ``layer_axis``): each
+      expert's slice (of each layer) is clipped on its own (docs/experts.md).
 
   Returns:
     The clipped tree, with each leaf's dtype.
@@ -94,8 +97,10 @@ def clip_by_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
   fn = "clip_by_norm"
   max_norm, p, eps, where = _checked(fn, max_norm, ord, eps, axis_name, specs)
   _validation.check_tree(fn, "the tree", tree)
-  return _clip_each(fn, tree, max_norm, p, eps, where,
-                    _core.layers(layer_axis)).tree
+  view = _core.experts(
+      _validation.check_expert_axis(fn, expert_axis),
+      _validation.check_layer_axis(fn, layer_axis))
+  return _clip_each(fn, tree, max_norm, p, eps, where, view).tree
 
 
 def _check_use_norm(fn: str, use_norm: Scalar) -> Scalar:
@@ -169,14 +174,18 @@ def clip_by_global_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
 
 def _norm_clipper(fn: str, max_norm, p, eps, where: _core.Where,
                   nonfinite: NonFinite, *, per_leaf: bool, leaf_norms: bool,
-                  layer_axis: PyTree) -> optax.GradientTransformationExtraArgs:
+                  layer_axis: PyTree, expert_axis: PyTree = None,
+                  mask: masking.Mask = None) -> optax.GradientTransformation:
   """The transform: measure -> factor -> scale -> state (``ClipState``).
   ``update(..., grad_norm=...)``: the global norm of these updates,
   measured beforehand (a number, or passed on by ``skip_step`` and
-  ``dynamic_loss_scale``): nothing is read to measure it again."""
+  ``dynamic_loss_scale``): nothing is read to measure it again. ``mask``:
+  leaves kept out of the norm and the clip (``masking``)."""
   _validation.check_choice(fn, "nonfinite", nonfinite, on_nonfinite.MODES)
   _validation.check_bool(fn, "leaf_norms", leaf_norms)
-  layers = _core.layers(_validation.check_layer_axis(fn, layer_axis))
+  layers = _core.experts(_validation.check_expert_axis(fn, expert_axis),
+                         _validation.check_layer_axis(fn, layer_axis))
+  mask = _validation.check_mask(fn, mask)
   clip = _clip_each if per_leaf else _clip_global
   kept = layers if per_leaf or leaf_norms else _core.TOTAL
 
@@ -202,13 +211,15 @@ def _norm_clipper(fn: str, max_norm, p, eps, where: _core.Where,
     return out, state.after(clipped.norm, factor, finite=finite,
                             measured=clipped.measured if leaf_norms else None)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return tx if mask is None else masking.masked(fn, tx, mask)
 
 
 def clip_by_norm(max_norm: Scalar, *, ord: Ord = 2, eps: Scalar = 0.0,
                  axis_name: AxisName = None, specs: PyTree = None,
                  nonfinite: NonFinite = "propagate", layer_axis: PyTree = None,
-                 leaf_norms: bool = False) -> optax.GradientTransformation:
+                 leaf_norms: bool = False, expert_axis: PyTree = None,
+                 mask: masking.Mask = None) -> optax.GradientTransformation:
   """Clips every leaf of the updates by its own norm.
 
   The transform form of ``optaxclip.functional.clip_by_norm``; its state
@@ -227,6 +238,10 @@ def clip_by_norm(max_norm: Scalar, *, ord: Ord = 2, eps: Scalar = 0.0,
       prefix of int or None): each layer's slice is clipped on its own.
     leaf_norms: keep every leaf's (or layer's) norm in the state
       (``clip/leaf_norm/<path>[/<layer>]`` in ``optaxclip.stats``).
+    expert_axis: the axis that stacks experts (as ``layer_axis``; both:
+      per layer x expert): each expert is clipped on its own.
+    mask: leaves to clip (a tree prefix of bools, or a callable of the
+      updates, as ``optax.masked``'s); the others pass through untouched.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a ``ClipState``.
@@ -242,14 +257,16 @@ def clip_by_norm(max_norm: Scalar, *, ord: Ord = 2, eps: Scalar = 0.0,
   fn = "clip_by_norm"
   max_norm, p, eps, where = _checked(fn, max_norm, ord, eps, axis_name, specs)
   return _norm_clipper(fn, max_norm, p, eps, where, nonfinite, per_leaf=True,
-                       leaf_norms=leaf_norms, layer_axis=layer_axis)
+                       leaf_norms=leaf_norms, layer_axis=layer_axis,
+                       expert_axis=expert_axis, mask=mask)
 
 
 def clip_by_global_norm(max_norm: Scalar | dict[str, Scalar], *, ord: Ord = 2,
                         eps: Scalar = 0.0, axis_name: AxisName = None,
                         specs: PyTree = None, nonfinite: NonFinite = "propagate",
                         leaf_norms: bool = False, layer_axis: PyTree = None,
-                        groups: per_group.Labels = None
+                        groups: per_group.Labels = None,
+                        expert_axis: PyTree = None, mask: masking.Mask = None
                         ) -> optax.GradientTransformation:
   """Scales the updates so that their global norm is at most ``max_norm``.
 
@@ -279,6 +296,11 @@ def clip_by_global_norm(max_norm: Scalar | dict[str, Scalar], *, ord: Ord = 2,
     groups: labels (a tree prefix of strings, as ``optax.partition``'s, or a
       callable of the updates): each group is clipped by its own norm, from
       one pass; the state is then a ``GroupClipState`` (``clip/<label>/...``).
+    expert_axis: with ``leaf_norms``, the axis that stacks experts (as
+      ``layer_axis``; both: one norm per layer x expert; docs/experts.md).
+    mask: leaves in the norm and the clip (a tree prefix of bools, or a
+      callable of the updates, as ``optax.masked``'s); the others (a frozen
+      router) are left out of both and pass through untouched.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a ``ClipState``.
@@ -299,16 +321,21 @@ def clip_by_global_norm(max_norm: Scalar | dict[str, Scalar], *, ord: Ord = 2,
   where = _core.Where.of(fn, axis_name, specs)
   max_norm = per_group.check_max_norms(fn, max_norm, groups is not None)
   if groups is not None:
-    return per_group.group_clipper(fn, max_norm, p, eps, where, nonfinite, groups,
-                                   leaf_norms=leaf_norms, layer_axis=layer_axis)
+    tx = per_group.group_clipper(fn, max_norm, p, eps, where, nonfinite, groups,
+                                 leaf_norms=leaf_norms,
+                                 layer_axis=layer_axis, expert_axis=expert_axis)
+    mask = _validation.check_mask(fn, mask)
+    return tx if mask is None else masking.masked(fn, tx, mask)
   return _norm_clipper(fn, max_norm, p, eps, where, nonfinite, per_leaf=False,
-                       leaf_norms=leaf_norms, layer_axis=layer_axis)
+                       leaf_norms=leaf_norms, layer_axis=layer_axis,
+                       expert_axis=expert_axis, mask=mask)
 
 
 def clip_grad_norm(max_norm: Scalar, norm_type: Ord = 2.0, *,
                    error_if_nonfinite: bool = False,
                    axis_name: AxisName = None, specs: PyTree = None,
-                   leaf_norms: bool = False, layer_axis: PyTree = None
+                   leaf_norms: bool = False, layer_axis: PyTree = None,
+                   expert_axis: PyTree = None, mask: masking.Mask = None
                    ) -> optax.GradientTransformation:
   """PyTorch's ``torch.nn.utils.clip_grad_norm_`` as an Optax transform.
 
@@ -327,6 +354,9 @@ def clip_grad_norm(max_norm: Scalar, norm_type: Ord = 2.0, *,
     specs: as in ``clip_by_global_norm``.
     leaf_norms: as in ``clip_by_global_norm``.
     layer_axis: as in ``clip_by_global_norm`` (per-layer leaf norms).
+    expert_axis: as in ``clip_by_global_norm`` (per-expert leaf norms).
+    mask: as in ``clip_by_global_norm`` (leaves without gradients in
+      PyTorch: left out of the norm and the clip).
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a ``ClipState``.
@@ -347,4 +377,5 @@ def clip_grad_norm(max_norm: Scalar, norm_type: Ord = 2.0, *,
   nonfinite = "raise" if error_if_nonfinite else "propagate"
   return _norm_clipper(fn, max_norm, p, PYTORCH_EPS, where, nonfinite,
                        per_leaf=False, leaf_norms=leaf_norms,
-                       layer_axis=layer_axis)
+                       layer_axis=layer_axis, expert_axis=expert_axis,
+                       mask=mask)

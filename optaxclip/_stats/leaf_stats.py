@@ -2,10 +2,12 @@
 
 A state keeps the norm of every clippable leaf as a tree of the gradients'
 structure (None where a leaf is not clippable): a scalar per leaf, or with
-``layer_axis`` a vector with one norm per layer, and then the stacked
+``layer_axis`` a vector with one norm per layer (per expert with
+``expert_axis``, a matrix per layer x expert with both), and then the stacked
 leaf's whole norm too (``stack_norms``: the norm of its layers' norms, the
 same partial sums). ``optaxclip.stats`` names each entry by its tree path,
-``<transform>/leaf_norm/<key>/<key>/...``, with ``/<i>`` for layer ``i``:
+``<transform>/leaf_norm/<key>/<key>/...``, with ``/<i>`` for layer (or
+expert) ``i``, ``/<i>/<j>`` for expert ``j`` of layer ``i``:
 dict keys, sequence indices and attribute names, in tree order, a ``/`` in
 a key written ``%2F`` (and ``%`` as ``%25``) so that keys stay one per
 leaf, and the ``.value`` of a flax.nnx Variable left out
@@ -16,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from optaxclip import _core, _tree
 from optaxclip._types import PyTree
@@ -74,7 +77,8 @@ def _paths(tree: PyTree) -> dict[str, jax.Array]:
 def entries(norms: PyTree, stacks: PyTree = None,
             name: str = "leaf_norm") -> dict[str, jax.Array]:
   """Flat ``stats`` entries ``name/<path>`` (and ``name/<path>/<i>`` per
-  layer) of a leaf-norm tree; none for None."""
+  layer or expert, ``.../<i>/<j>`` per layer x expert) of a leaf-norm tree;
+  none for None."""
   if norms is None:
     return {}
   out = {}
@@ -86,6 +90,6 @@ def entries(norms: PyTree, stacks: PyTree = None,
       continue
     if path in totals:
       out[key] = totals[path]
-    for i in range(value.shape[0]):
-      out[f"{key}/{i}"] = value[i]
+    for index in np.ndindex(*value.shape):  # per layer, expert, layer x expert
+      out[key + "".join(f"/{i}" for i in index)] = value[index]
   return out
