@@ -347,6 +347,12 @@ def check_expert_axis(fn: str, expert_axis: Any) -> Any:
   return check_layer_axis(fn, expert_axis, "expert_axis", "experts")
 
 
+def check_stack_axes(fn: str, expert_axis: Any, layer_axis: Any
+                     ) -> tuple[Any, Any]:
+  """``(expert_axis, layer_axis)``, both checked (``_core.experts``'s)."""
+  return check_expert_axis(fn, expert_axis), check_layer_axis(fn, layer_axis)
+
+
 def check_mask(fn: str, mask: Any) -> Any:
   """``mask``: None, a tree prefix of the gradients with bool leaves (as
   ``optax.masked``'s), or a callable returning one; static."""

@@ -321,8 +321,7 @@ def zclip(*, alpha: Scalar = 0.97, z_thresh: Scalar = 2.5,
         fn, "max_consecutive_spikes", max_consecutive_spikes, 1)
   where = _core.Where.of(fn, axis_name, specs)
   _validation.check_bool(fn, "leaf_norms", leaf_norms)
-  units = _core.experts(_validation.check_expert_axis(fn, expert_axis),
-                        _validation.check_layer_axis(fn, layer_axis))
+  units = _core.experts(*_validation.check_stack_axes(fn, expert_axis, layer_axis))
   kept = units if leaf_norms else _core.TOTAL
   mask = _validation.check_mask(fn, mask)
 

@@ -59,6 +59,13 @@ def leave_out(fn: str, mask: PyTree, tree: PyTree
   return inside, put_back
 
 
+def kept_part(fn: str, mask: Mask, tree: PyTree) -> Callable[[PyTree], PyTree]:
+  """The leaves of a tree shaped as ``tree`` that ``mask`` (for ``tree``)
+  keeps: ``MaskedNode`` for the others."""
+  mask_tree = chosen(fn, mask, tree)
+  return lambda like: leave_out(fn, mask_tree, like)[0]
+
+
 def masked(fn: str, inner: optax.GradientTransformation, mask: Mask
            ) -> optax.GradientTransformationExtraArgs:
   """``inner`` run on the leaves ``mask`` keeps (its state its own); the

@@ -97,9 +97,7 @@ def clip_by_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
   fn = "clip_by_norm"
   max_norm, p, eps, where = _checked(fn, max_norm, ord, eps, axis_name, specs)
   _validation.check_tree(fn, "the tree", tree)
-  view = _core.experts(
-      _validation.check_expert_axis(fn, expert_axis),
-      _validation.check_layer_axis(fn, layer_axis))
+  view = _core.experts(*_validation.check_stack_axes(fn, expert_axis, layer_axis))
   return _clip_each(fn, tree, max_norm, p, eps, where, view).tree
 
 
@@ -183,8 +181,7 @@ def _norm_clipper(fn: str, max_norm, p, eps, where: _core.Where,
   leaves kept out of the norm and the clip (``masking``)."""
   _validation.check_choice(fn, "nonfinite", nonfinite, on_nonfinite.MODES)
   _validation.check_bool(fn, "leaf_norms", leaf_norms)
-  layers = _core.experts(_validation.check_expert_axis(fn, expert_axis),
-                         _validation.check_layer_axis(fn, layer_axis))
+  layers = _core.experts(*_validation.check_stack_axes(fn, expert_axis, layer_axis))
   mask = _validation.check_mask(fn, mask)
   clip = _clip_each if per_leaf else _clip_global
   kept = layers if per_leaf or leaf_norms else _core.TOTAL

@@ -139,8 +139,7 @@ def group_clipper(fn: str, max_norm, p, eps, where: _core.Where,
   all from one pass over the gradients and one all-reduce."""
   _validation.check_choice(fn, "nonfinite", nonfinite, on_nonfinite.MODES)
   _validation.check_bool(fn, "leaf_norms", leaf_norms)
-  layers = _core.experts(_validation.check_expert_axis(fn, expert_axis),
-                         _validation.check_layer_axis(fn, layer_axis))
+  layers = _core.experts(*_validation.check_stack_axes(fn, expert_axis, layer_axis))
   groups = check_labels(fn, groups)
 
   def init_fn(params):

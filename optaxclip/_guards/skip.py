@@ -182,7 +182,7 @@ def _init(fn: str, inner: optax.GradientTransformation, params: PyTree, *,
   dtype = running.statistics_dtype(params)
   kept = (None, None)
   if leaf_norms:
-    judged, _ = masking.leave_out(fn, masking.chosen(fn, mask, params), params)
+    judged = masking.kept_part(fn, mask, params)(params)
     kept = leaf_stats.zeros(fn, judged, units, dtype)
   return SkipState(stats=SkipStats.fresh(dtype, *kept, window=window,
                                          update=update),
@@ -263,8 +263,7 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
   p = _validation.check_ord(fn, ord)
   where = _core.Where.of(fn, axis_name, specs)
   _validation.check_bool(fn, "leaf_norms", leaf_norms)
-  layers = _core.experts(_validation.check_expert_axis(fn, expert_axis),
-                         _validation.check_layer_axis(fn, layer_axis))
+  layers = _core.experts(*_validation.check_stack_axes(fn, expert_axis, layer_axis))
   mask = _validation.check_mask(fn, mask)
 
   def init_fn(params):
@@ -278,11 +277,7 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
     _validation.check_update(fn, updates, state, SkipState)
     # NaN or Inf in any leaf and only then: the norm is overflow-safe, so
     # its finiteness is the gradients' (one pass for both questions).
-    mask_tree = masking.chosen(fn, mask, updates)
-
-    def judged(tree):  # the leaves the mask keeps
-      return masking.leave_out(fn, mask_tree, tree)[0]
-
+    judged = masking.kept_part(fn, mask, updates)  # of any tree like the updates
     measured = _core.measure(fn, judged(updates), p, where,
                              layers if leaf_norms else _core.TOTAL,
                              given=None if leaf_norms else grad_norm)
@@ -291,8 +286,7 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
     scale = loss_scales[0].scale if loss_scales else None
 
     def unscale(n):  # the input is scaled: judge the unscaled
-      return running.to_statistics(n if scale is None else n / scale,
-                                   dtype)
+      return running.to_statistics(n if scale is None else n / scale, dtype)
 
     if loss is not None:
       extra_args = {**extra_args, "loss": loss}  # inner's too, as given

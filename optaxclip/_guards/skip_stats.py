@@ -236,7 +236,7 @@ def step(stats: SkipStats, norm: jax.Array, *, nonfinite: bool,
   skip = would_skip & ~release
   count_if = counters.count_if
   fed = {k: spikes.feed(
-      getattr(stats, f"{k}_stats.registry"), g.value, g.judged,
+      getattr(stats, f"{k}_stats"), g.value, g.judged,
       accepted=finite & ~skip & jnp.isfinite(g.value), release=release,
       decay=ema_decay, signed=k == "loss") for k, g in guards.items()}
   new = stats._replace(
