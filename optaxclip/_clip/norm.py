@@ -173,7 +173,8 @@ def clip_by_global_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
 def _norm_clipper(fn: str, max_norm, p, eps, where: _core.Where,
                   nonfinite: NonFinite, *, per_leaf: bool, leaf_norms: bool,
                   layer_axis: PyTree, expert_axis: PyTree = None,
-                  mask: masking.Mask = None) -> optax.GradientTransformation:
+                  mask: masking.Mask = None
+                  ) -> optax.GradientTransformationExtraArgs:
   """The transform: measure -> factor -> scale -> state (``ClipState``).
   ``update(..., grad_norm=...)``: the global norm of these updates,
   measured beforehand (a number, or passed on by ``skip_step`` and
