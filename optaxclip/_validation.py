@@ -362,17 +362,48 @@ def check_static(fn: str, arg: str, value: Any, expected: str) -> None:
           f"static_args=({name!r},)")
 
 
-def check_layer_axis(fn: str, layer_axis: Any) -> Any:
-  """``layer_axis``: None, an int, a tree prefix with int or None leaves,
-  or a callable returning one; whether it fits the gradients is only known
-  at ``update``."""
-  check_static(fn, "layer_axis", layer_axis,
+def check_layer_axis(fn: str, layer_axis: Any, arg: str = "layer_axis",
+                     stacks: str = "layers") -> Any:
+  """``layer_axis`` (or ``arg``, an axis that stacks ``stacks``): None, an
+  int, a tree prefix with int or None leaves, or a callable returning one;
+  whether it fits the gradients is only known at ``update``."""
+  check_static(fn, arg, layer_axis,
                "ints or None, or a callable of the gradients returning them")
   if callable(layer_axis):
     return layer_axis
   for axis in jax.tree.leaves(layer_axis, is_leaf=is_layer_axis):
     if not is_layer_axis(axis):
       raise TypeError(
-          f"{_where(fn, 'layer_axis')} must hold ints (the axis that stacks "
-          f"layers) or None, got {axis!r:.80} of type {type(axis).__name__}")
+          f"{_where(fn, arg)} must hold ints (the axis that stacks "
+          f"{stacks}) or None, got {axis!r:.80} of type {type(axis).__name__}")
   return layer_axis
+
+
+def check_expert_axis(fn: str, expert_axis: Any) -> Any:
+  """``expert_axis``: as ``layer_axis``, the axis that stacks experts."""
+  return check_layer_axis(fn, expert_axis, "expert_axis", "experts")
+
+
+def check_stack_axes(fn: str, expert_axis: Any, layer_axis: Any
+                     ) -> tuple[Any, Any]:
+  """``(expert_axis, layer_axis)``, both checked (``_core.experts``'s)."""
+  return check_expert_axis(fn, expert_axis), check_layer_axis(fn, layer_axis)
+
+
+def check_mask(fn: str, mask: Any) -> Any:
+  """``mask``: None, a tree prefix of the gradients with bool leaves (as
+  ``optax.masked``'s), or a callable returning one; static."""
+  check_static(fn, "mask", mask, "bools, or a callable of the gradients "
+               "returning them")
+  if mask is None or (callable(mask) and not isinstance(mask, jax.Array)):
+    return mask
+  for leaf in jax.tree.leaves(mask):
+    if not isinstance(leaf, (bool, np.bool_)):
+      raise TypeError(
+          f"{_where(fn, 'mask')} must hold Python bools (True: the leaf is "
+          f"measured and clipped, False: left out of both), as "
+          f"optax.masked's mask; it chooses which leaves take part and must "
+          f"be static (with optax.inject_hyperparams list it in static_args: "
+          f"static_args=('mask',)), got {leaf!r:.80} of type "
+          f"{type(leaf).__name__}")
+  return mask

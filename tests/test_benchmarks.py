@@ -28,8 +28,8 @@ from benchmarks.targets import large_step  # noqa: E402
 from benchmarks.targets._base import process_environment, select_platform  # noqa: E402
 
 RUN = ROOT / "benchmarks" / "run.py"
-TARGETS = ("compile_step", "compile", "traffic", "guards", "scanned", "train_step", "standalone",
-           "many_leaves", "large_tree", "large_step", "accuracy", "fallback")
+TARGETS = ("compile_step", "compile", "traffic", "guards", "scanned", "experts", "train_step",
+           "standalone", "many_leaves", "large_tree", "large_step", "accuracy", "fallback")
 
 
 def _section(markdown: str, key: str) -> str:
@@ -66,6 +66,11 @@ def test_smoke_run_writes_every_table_and_plot(tmp_path):
               "| adaptive_grad_clip(layer_axis) | compile, step extra (ratio)",
               "| clip_by_global_norm(leaf_norms, layer_axis) | compile, step extra (ratio)"):
     assert row in scanned, row
+  experts = _section(markdown, "experts")
+  for row in ("| clip_by_global_norm(leaf_norms, layer_axis, expert_axis) | "
+              "clip_by_global_norm(leaf_norms) | traffic",
+              "| clip_by_norm(layer_axis, expert_axis) | clip_by_norm | run"):
+    assert row in experts, row
   traffic = _section(markdown, "traffic")
   for part in ("| whole tree (", "| large leaves (", "| small leaves ("):
     assert part in traffic, f"no traffic row for the {part[2:-2]}"

@@ -3,6 +3,7 @@
 from benchmarks.targets import (
   accuracy,
   compile_time,
+  experts,
   fallback,
   guards,
   large_step,
@@ -21,6 +22,7 @@ TARGETS: dict[str, Target] = {t.key: t for t in (
     traffic.TARGET,
     guards.TARGET,
     scanned.TARGET,
+    experts.TARGET,
     train_step.TARGET,
     standalone.TARGET,
     many_leaves.TARGET,

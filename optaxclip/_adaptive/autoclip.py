@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from optaxclip import _core, _validation
-from optaxclip._clip import scaling
+from optaxclip._clip import masking, scaling
 from optaxclip._stats import counters, registry, running
 from optaxclip._types import AxisName, Scalar
 
@@ -121,7 +121,8 @@ def step(state: AutoClipState, norm: jax.Array, *, percentile: Scalar,
 
 def auto_clip(percentile: Scalar = 10.0, *, history: int = 1000,
               eps: Scalar = 1e-6, axis_name: AxisName = None,
-              specs: PyTree = None) -> optax.GradientTransformationExtraArgs:
+              specs: PyTree = None, mask: masking.Mask = None
+              ) -> optax.GradientTransformationExtraArgs:
   """Clips to a percentile of the gradient norms seen so far (AutoClip).
 
   Each step appends the global L2 norm ``g`` of the updates to the
@@ -144,6 +145,9 @@ def auto_clip(percentile: Scalar = 10.0, *, history: int = 1000,
     axis_name: under ``shard_map``/``pmap``, the mesh axis name(s) the
       updates are split over (docs/distributed.md).
     specs: with ``axis_name``, the updates' ``PartitionSpec`` (a tree prefix).
+    mask: leaves in the norm and the clip (a tree prefix of bools, or a
+      callable of the updates, as ``optax.masked``'s); the others pass
+      through untouched.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is an ``AutoClipState``.
@@ -169,6 +173,7 @@ def auto_clip(percentile: Scalar = 10.0, *, history: int = 1000,
   size = _validation.check_buffer_size(fn, "history", history)
   eps = _validation.check_nonnegative(fn, "eps", eps)
   where = _core.Where.of(fn, axis_name, specs)
+  mask = _validation.check_mask(fn, mask)
 
   def init_fn(params):
     length = _validation.require_buffer_size(fn, "history", size)
@@ -181,4 +186,5 @@ def auto_clip(percentile: Scalar = 10.0, *, history: int = 1000,
     factor, new_state = step(state, norm, percentile=percentile, eps=eps)
     return scaling.scale_leaves(updates, factor), new_state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return tx if mask is None else masking.masked(fn, tx, mask)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from optaxclip import _core, _validation
-from optaxclip._clip import scaling
+from optaxclip._clip import masking, scaling
 from optaxclip._stats import counters, leaf_stats, registry, running
 from optaxclip._stats.counters import Counter
 from optaxclip._types import AxisName, Scalar
@@ -253,7 +253,8 @@ def zclip(*, alpha: Scalar = 0.97, z_thresh: Scalar = 2.5,
           clip_factor: Scalar = 1.0, skip_update_on_spike: bool = False,
           axis_name: AxisName = None, specs: PyTree = None,
           leaf_norms: bool = False, layer_axis: PyTree = None,
-          max_consecutive_spikes: Scalar | None = MAX_CONSECUTIVE_SPIKES
+          max_consecutive_spikes: Scalar | None = MAX_CONSECUTIVE_SPIKES,
+          expert_axis: PyTree = None, mask: masking.Mask = None
           ) -> optax.GradientTransformation:
   """Clips gradient-norm spikes detected by a z-score against an EMA (ZClip).
 
@@ -286,6 +287,9 @@ def zclip(*, alpha: Scalar = 0.97, z_thresh: Scalar = 2.5,
     layer_axis: with ``leaf_norms``, the axis that stacks layers.
     max_consecutive_spikes: spikes cut in a row at most (an int >= 1), or
       None (the reference: a lasting rise is cut for ever).
+    expert_axis: with ``leaf_norms``, the axis that stacks experts.
+    mask: leaves in the norm and the clip (as ``optax.masked``'s mask); the
+      others pass through untouched.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a ``ZClipState``.
@@ -321,15 +325,16 @@ def zclip(*, alpha: Scalar = 0.97, z_thresh: Scalar = 2.5,
         fn, "max_consecutive_spikes", max_consecutive_spikes, 1)
   where = _core.Where.of(fn, axis_name, specs)
   _validation.check_bool(fn, "leaf_norms", leaf_norms)
-  _validation.check_layer_axis(fn, layer_axis)
-  kept = _core.layers(layer_axis) if leaf_norms else _core.TOTAL
+  units = _core.experts(*_validation.check_stack_axes(fn, expert_axis, layer_axis))
+  kept = units if leaf_norms else _core.TOTAL
+  mask = _validation.check_mask(fn, mask)
 
   def init_fn(params):
     length = _validation.require_buffer_size(fn, "warmup_steps", size)
     dtype = running.statistics_dtype(params)
     kept = (None, None)
     if leaf_norms:
-      kept = leaf_stats.zeros(fn, params, _core.layers(layer_axis), dtype)
+      kept = leaf_stats.zeros(fn, params, units, dtype)
     return ZClipState.fresh(dtype, length, *kept)
 
   settings = {"alpha": alpha, "z_thresh": z_thresh,
@@ -350,4 +355,5 @@ def zclip(*, alpha: Scalar = 0.97, z_thresh: Scalar = 2.5,
       new_state = new_state._replace(leaf_norms=norms, stack_norms=stacks)
     return scaling.scale_leaves(updates, factor), new_state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return tx if mask is None else masking.masked(fn, tx, mask)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from optaxclip import _core, _tree, _validation
-from optaxclip._clip import on_nonfinite, per_group, scaling
+from optaxclip._clip import masking, on_nonfinite, per_group, scaling
 from optaxclip._clip import scale_only as subset
 from optaxclip._clip.state import DEFAULT_FLOOR, ClipState, init_clip_state
 from optaxclip._types import AxisName, NonFinite, Ord, PyTree, Scalar
@@ -66,7 +66,8 @@ def _checked(fn: str, max_norm, ord, eps, axis_name, specs, ord_name="ord"):
 
 def clip_by_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
                     eps: Scalar = 0.0, axis_name: AxisName = None,
-                    specs: PyTree = None, layer_axis: PyTree = None) -> PyTree:
+                    specs: PyTree = None, layer_axis: PyTree = None,
+                    expert_axis: PyTree = None) -> PyTree:
   """Clips every leaf of ``tree`` by its own ``ord``-norm.
 
   Each floating leaf ``x`` becomes ``x * s``, ``s = max_norm / (norm(x) +
@@ -85,6 +86,8 @@ def clip_by_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
     specs: with ``axis_name``, the updates' ``PartitionSpec`` (a tree prefix).
     layer_axis: the axis that stacks scanned layers (an int, or a tree
       prefix of int or None): each layer's slice is clipped on its own.
+    expert_axis: the axis that stacks experts (as ``layer_axis``): each
+      expert's slice (of each layer) is clipped on its own (docs/experts.md).
 
   Returns:
     The clipped tree, with each leaf's dtype.
@@ -98,8 +101,8 @@ def clip_by_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
   fn = "clip_by_norm"
   max_norm, p, eps, where = _checked(fn, max_norm, ord, eps, axis_name, specs)
   _validation.check_tree(fn, "the tree", tree)
-  return _clip_each(fn, tree, max_norm, p, eps, where,
-                    _core.layers(layer_axis)).tree
+  view = _core.experts(*_validation.check_stack_axes(fn, expert_axis, layer_axis))
+  return _clip_each(fn, tree, max_norm, p, eps, where, view).tree
 
 
 def _check_use_norm(fn: str, use_norm: Scalar) -> Scalar:
@@ -179,18 +182,21 @@ def _checked_floor(fn: str, floor: Scalar | None) -> Scalar | None:
 def _norm_clipper(fn: str, max_norm, p, eps, where: _core.Where,
                   nonfinite: NonFinite, *, per_leaf: bool, leaf_norms: bool,
                   layer_axis: PyTree, floor: Scalar | None,
-                  only: subset.ScaleOnly = None
+                  only: subset.ScaleOnly = None, expert_axis: PyTree = None,
+                  mask: masking.Mask = None
                   ) -> optax.GradientTransformationExtraArgs:
   """The transform: measure -> factor -> scale -> state (``ClipState``).
   ``update(..., grad_norm=...)``: the global norm of these updates,
   measured beforehand (a number, or passed on by ``skip_step`` and
   ``dynamic_loss_scale``): nothing is read to measure it again.
-  ``only``: ``scale_only`` (global clippers)."""
+  ``only``: ``scale_only`` (global clippers). ``mask``: leaves kept out of
+  the norm and the clip (``masking``)."""
   _validation.check_choice(fn, "nonfinite", nonfinite, on_nonfinite.MODES)
   _validation.check_bool(fn, "leaf_norms", leaf_norms)
-  layers = _core.layers(_validation.check_layer_axis(fn, layer_axis))
+  layers = _core.experts(*_validation.check_stack_axes(fn, expert_axis, layer_axis))
   floor = _checked_floor(fn, floor)
   only = subset.check(fn, only)
+  mask = _validation.check_mask(fn, mask)
   clip = _clip_each if per_leaf else _clip_global
   kept = layers if per_leaf or leaf_norms else _core.TOTAL
 
@@ -222,13 +228,15 @@ def _norm_clipper(fn: str, max_norm, p, eps, where: _core.Where,
     return out, state.after(clipped.norm, factor, finite=finite, floor=floor,
                             measured=clipped.measured if leaf_norms else None)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return tx if mask is None else masking.masked(fn, tx, mask)
 
 
 def clip_by_norm(max_norm: Scalar, *, ord: Ord = 2, eps: Scalar = 0.0,
                  axis_name: AxisName = None, specs: PyTree = None,
                  nonfinite: NonFinite = "propagate", layer_axis: PyTree = None,
-                 leaf_norms: bool = False, floor: Scalar | None = DEFAULT_FLOOR
+                 leaf_norms: bool = False, floor: Scalar | None = DEFAULT_FLOOR,
+                 expert_axis: PyTree = None, mask: masking.Mask = None
                  ) -> optax.GradientTransformation:
   """Clips every leaf of the updates by its own norm.
 
@@ -250,6 +258,10 @@ def clip_by_norm(max_norm: Scalar, *, ord: Ord = 2, eps: Scalar = 0.0,
       (``clip/leaf_norm/<path>``, ``clip/layer_norm/<path>/<layer>`` in
       ``optaxclip.stats``).
     floor: as in ``clip_by_global_norm``.
+    expert_axis: the axis that stacks experts (as ``layer_axis``; both:
+      per layer x expert): each expert is clipped on its own.
+    mask: leaves to clip (a tree prefix of bools, or a callable of the
+      updates, as ``optax.masked``'s); the others pass through untouched.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a ``ClipState``.
@@ -266,7 +278,7 @@ def clip_by_norm(max_norm: Scalar, *, ord: Ord = 2, eps: Scalar = 0.0,
   max_norm, p, eps, where = _checked(fn, max_norm, ord, eps, axis_name, specs)
   return _norm_clipper(fn, max_norm, p, eps, where, nonfinite, per_leaf=True,
                        leaf_norms=leaf_norms, layer_axis=layer_axis,
-                       floor=floor)
+                       floor=floor, expert_axis=expert_axis, mask=mask)
 
 
 def clip_by_global_norm(max_norm: Scalar | dict[str, Scalar], *, ord: Ord = 2,
@@ -275,7 +287,8 @@ def clip_by_global_norm(max_norm: Scalar | dict[str, Scalar], *, ord: Ord = 2,
                         leaf_norms: bool = False, layer_axis: PyTree = None,
                         groups: per_group.Labels = None,
                         floor: Scalar | None = DEFAULT_FLOOR,
-                        scale_only: subset.ScaleOnly = None
+                        scale_only: subset.ScaleOnly = None,
+                        expert_axis: PyTree = None, mask: masking.Mask = None
                         ) -> optax.GradientTransformation:
   """Scales the updates so that their global norm is at most ``max_norm``.
 
@@ -311,6 +324,11 @@ def clip_by_global_norm(max_norm: Scalar | dict[str, Scalar], *, ord: Ord = 2,
     scale_only: the leaves to scale (a tree prefix of bools, or a callable
       of the updates): all are measured, those marked False pass through
       (Muon's matrices; docs/muon.md). None: all are scaled.
+    expert_axis: with ``leaf_norms``, the axis that stacks experts (as
+      ``layer_axis``; both: one norm per layer x expert; docs/experts.md).
+    mask: leaves in the norm and the clip (a tree prefix of bools, or a
+      callable of the updates, as ``optax.masked``'s); the others (a frozen
+      router) are left out of both and pass through untouched.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a ``ClipState``.
@@ -335,12 +353,16 @@ def clip_by_global_norm(max_norm: Scalar | dict[str, Scalar], *, ord: Ord = 2,
       raise ValueError(
           f"`{fn}`: pass `groups=` or `scale_only=`, not both: a group's "
           f"leaves are scaled by the group's own norm")
-    return per_group.group_clipper(fn, max_norm, p, eps, where, nonfinite, groups,
-                                   leaf_norms=leaf_norms, layer_axis=layer_axis,
-                                   floor=_checked_floor(fn, floor))
+    tx = per_group.group_clipper(fn, max_norm, p, eps, where, nonfinite, groups,
+                                 leaf_norms=leaf_norms, layer_axis=layer_axis,
+                                 expert_axis=expert_axis,
+                                 floor=_checked_floor(fn, floor))
+    mask = _validation.check_mask(fn, mask)
+    return tx if mask is None else masking.masked(fn, tx, mask)
   return _norm_clipper(fn, max_norm, p, eps, where, nonfinite, per_leaf=False,
                        leaf_norms=leaf_norms, layer_axis=layer_axis,
-                       floor=floor, only=scale_only)
+                       floor=floor, only=scale_only, expert_axis=expert_axis,
+                       mask=mask)
 
 
 def clip_grad_norm(max_norm: Scalar, norm_type: Ord = 2.0, *,
@@ -348,7 +370,8 @@ def clip_grad_norm(max_norm: Scalar, norm_type: Ord = 2.0, *,
                    axis_name: AxisName = None, specs: PyTree = None,
                    leaf_norms: bool = False, layer_axis: PyTree = None,
                    floor: Scalar | None = DEFAULT_FLOOR,
-                   scale_only: subset.ScaleOnly = None
+                   scale_only: subset.ScaleOnly = None,
+                   expert_axis: PyTree = None, mask: masking.Mask = None
                    ) -> optax.GradientTransformation:
   """PyTorch's ``torch.nn.utils.clip_grad_norm_`` as an Optax transform.
 
@@ -369,6 +392,9 @@ def clip_grad_norm(max_norm: Scalar, norm_type: Ord = 2.0, *,
     layer_axis: as in ``clip_by_global_norm`` (per-layer leaf norms).
     floor: as in ``clip_by_global_norm``.
     scale_only: as in ``clip_by_global_norm``.
+    expert_axis: as in ``clip_by_global_norm`` (per-expert leaf norms).
+    mask: as in ``clip_by_global_norm`` (leaves without gradients in
+      PyTorch: left out of the norm and the clip).
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a ``ClipState``.
@@ -389,4 +415,5 @@ def clip_grad_norm(max_norm: Scalar, norm_type: Ord = 2.0, *,
   nonfinite = "raise" if error_if_nonfinite else "propagate"
   return _norm_clipper(fn, max_norm, p, PYTORCH_EPS, where, nonfinite,
                        per_leaf=False, leaf_norms=leaf_norms,
-                       layer_axis=layer_axis, floor=floor, only=scale_only)
+                       layer_axis=layer_axis, floor=floor, only=scale_only,
+                       expert_axis=expert_axis, mask=mask)

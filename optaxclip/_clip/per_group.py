@@ -134,14 +134,15 @@ def _checked_labels(fn: str, updates: PyTree, groups: Labels,
 
 def group_clipper(fn: str, max_norm, p, eps, where: _core.Where,
                   nonfinite: NonFinite, groups: Labels, *, leaf_norms: bool,
-                  layer_axis: PyTree, floor: Any = None
+                  layer_axis: PyTree, floor: Any = None,
+                  expert_axis: PyTree = None
                   ) -> optax.GradientTransformation:
   """``clip_by_global_norm`` with ``groups``: each clipped by its own norm,
   all from one pass over the gradients and one all-reduce (``floor``: the
   stall guard's, checked, counted per group)."""
   _validation.check_choice(fn, "nonfinite", nonfinite, on_nonfinite.MODES)
   _validation.check_bool(fn, "leaf_norms", leaf_norms)
-  layers = _core.layers(_validation.check_layer_axis(fn, layer_axis))
+  layers = _core.experts(*_validation.check_stack_axes(fn, expert_axis, layer_axis))
   groups = check_labels(fn, groups)
 
   def init_fn(params):

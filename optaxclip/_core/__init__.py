@@ -24,6 +24,7 @@ from optaxclip._core._kept import TOTAL as TOTAL
 from optaxclip._core._kept import Kept as Kept
 from optaxclip._core._kept import agc_units as agc_units
 from optaxclip._core._kept import examples as examples
+from optaxclip._core._kept import experts as experts
 from optaxclip._core._kept import layers as layers
 from optaxclip._core._measure import KnownNorm as KnownNorm
 from optaxclip._core._measure import Measured as Measured

@@ -8,12 +8,13 @@ Every norm reduces each leaf over some of its axes to one value per
 | ``TOTAL`` (nothing kept) | everything                | global norms |
 | ``PER_LEAF``             | a leaf                    | ``clip_by_norm``, ``adagc``, leaf norms |
 | ``layers(layer_axis)``   | a layer of a stacked leaf | scanned models |
+| ``experts(expert_axis, layer_axis)`` | an expert (of a layer) | mixtures of experts |
 | ``agc_units(axis, ...)`` | an output unit            | ``adaptive_grad_clip`` |
 | ``examples(layer_axis)`` | an example (and layer)    | per-example clipping |
 
-``layer_axis`` is a tree prefix of the gradients (like ``specs``) of ints
-or None, or a callable from the gradients to one (as ``groups``: handy
-where the gradients are an ``nnx.State``).
+``layer_axis`` (and ``expert_axis``) is a tree prefix of the gradients
+(like ``specs``) of ints or None, or a callable from the gradients to one
+(as ``groups``: handy where the gradients are an ``nnx.State``).
 """
 
 import math
@@ -30,17 +31,19 @@ from optaxclip._types import PyTree
 Shapes = list[tuple[int, ...]]
 
 
-def layer_keep(fn: str, tree: PyTree, layer_axis: PyTree
+def layer_keep(fn: str, tree: PyTree, layer_axis: PyTree,
+               arg: str = "layer_axis", stacks: str = "layers"
                ) -> tuple[Keep, ...] | None:
   """Per clippable leaf of ``tree``, ``(axis,)`` where ``layer_axis`` gives
-  one, ``()`` elsewhere; None for no layer axes."""
+  one, ``()`` elsewhere; None for no layer axes (``arg``: the argument's
+  name in errors, ``stacks``: what its axis stacks)."""
   if layer_axis is None:
     return None
   if callable(layer_axis) and not isinstance(layer_axis, jax.Array):
     layer_axis = layer_axis(tree)
   leaf_axes = _tree.broadcast_prefix(
-      fn, "layer_axis", layer_axis, tree, is_value=_validation.is_layer_axis,
-      holds="ints (the axis that stacks layers) or None",
+      fn, arg, layer_axis, tree, is_value=_validation.is_layer_axis,
+      holds=f"ints (the axis that stacks {stacks}) or None",
       like="an int or a tree prefix of the gradients with int or None "
            "leaves (as optax.partition's labels)")
   with_paths, _ = jax.tree_util.tree_flatten_with_path(tree)
@@ -55,9 +58,9 @@ def layer_keep(fn: str, tree: PyTree, layer_axis: PyTree
       keep.append((axis % ndim,))
     else:
       raise ValueError(
-          f"`{fn}(layer_axis={axis})` is out of range for leaf "
+          f"`{fn}({arg}={axis})` is out of range for leaf "
           f"{jax.tree_util.keystr(path)} of shape {tuple(np.shape(x))}; give "
-          f"None for leaves that stack no layers")
+          f"None for leaves that stack no {stacks}")
   return tuple(keep)
 
 
@@ -86,6 +89,30 @@ def layers(layer_axis: PyTree) -> Kept:
     return PER_LEAF
   return Kept(lambda fn, tree, shapes: layer_keep(fn, tree, layer_axis),
               "per layer")
+
+
+def experts(expert_axis: PyTree, layer_axis: PyTree = None) -> Kept:
+  """Per leaf, its expert axis and its layer axis, either or both (units
+  in the leaf's axis order: per layer x expert for a stacked MoE weight
+  ``[layers, experts, ...]``); ``expert_axis`` None: ``layers``."""
+  if expert_axis is None:
+    return layers(layer_axis)
+
+  def rule(fn, tree, shapes):
+    by_expert = layer_keep(fn, tree, expert_axis, "expert_axis", "experts")
+    by_layer = layer_keep(fn, tree, layer_axis) or ((),) * len(shapes)
+    assert by_expert is not None
+    paths = [path for path, _ in _tree.clippable_leaves_with_paths(tree)]
+    for path, expert, layer in zip(paths, by_expert, by_layer):
+      if expert and expert == layer:
+        raise ValueError(
+            f"`{fn}`: leaf {path} has expert_axis and layer_axis both "
+            f"{expert[0]}; the axis that stacks experts is another than the "
+            f"one that stacks layers")
+    return tuple(tuple(sorted(expert + layer))
+                 for expert, layer in zip(by_expert, by_layer))
+  name = "per expert" if layer_axis is None else "per layer x expert"
+  return Kept(rule, name)
 
 
 def _unit_axes(fn: str, where: str, shape: tuple[int, ...],

@@ -11,6 +11,7 @@ statistics, their modes and their bounds: ``_stats.spikes``,
 import functools
 import math
 import numbers
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -19,7 +20,7 @@ import numpy as np
 import optax
 
 from optaxclip import _core, _validation
-from optaxclip._clip import scaling
+from optaxclip._clip import masking, scaling
 from optaxclip._guards import placement
 from optaxclip._guards.skip_stats import MAX_CONSECUTIVE_SKIPS, SkipStats, step
 from optaxclip._stats import leaf_stats, running
@@ -145,19 +146,21 @@ def _check_update_norm(fn: str, update_norm: bool | None,
 
 
 def _run_inner(inner, judge, measured: _core.Measured, updates: PyTree,
-               inner_state: PyTree, params: PyTree, extra_args: dict, *,
+               inner_state: PyTree, params: PyTree, extra_args: dict,
+               judged: Callable[[PyTree], PyTree], *,
                update_where: _core.Where | None, loss_scaled: bool, dtype):
   """``(skip, stats, inner's updates, inner's state)``: the decision
   (``judge``, ``_guards.skip_stats.step`` with the step's values) and inner's
   update, whose clipper takes the measured norm instead of reading again
-  (``_core.sharing``)."""
+  (``_core.sharing``); ``judged``: a tree's leaves that ``mask`` keeps."""
   def run(feed, known):
     with _core.sharing(known):
       return inner.update(feed, inner_state, params, **extra_args)
 
   if update_where is not None:  # the update's norm judged too: inner first
     new_updates, new_inner = run(updates, measured.known())
-    proposed = _core.measure("skip_step", new_updates, 2, update_where).total
+    proposed = _core.measure("skip_step", judged(new_updates), 2,
+                             update_where).total
     skip, stats = judge(update_norm=running.to_statistics(
         proposed, dtype))
     return skip, stats, new_updates, new_inner
@@ -166,12 +169,12 @@ def _run_inner(inner, judge, measured: _core.Measured, updates: PyTree,
   # fuses the select into inner's pass (measured: the rollback then costs
   # one read instead of three). A loss scale inside must see the overflow.
   feed = updates if loss_scaled else scaling.zero_unless(~skip, updates)
-  return (skip, stats, *run(feed, measured.known(feed)))
+  return (skip, stats, *run(feed, measured.known(judged(feed))))
 
 
 def _init(fn: str, inner: optax.GradientTransformation, params: PyTree, *,
-          leaf_norms: bool, layer_axis: PyTree, window: int | None,
-          update: bool) -> SkipState:
+          leaf_norms: bool, units: _core.Kept, window: int | None,
+          update: bool, mask: masking.Mask) -> SkipState:
   """The state before the first step (``skip_step``'s ``init``)."""
   inner_state = inner.init(params)
   placement.check_placement(inner_state, f"{fn}(inner=...).init",
@@ -179,7 +182,8 @@ def _init(fn: str, inner: optax.GradientTransformation, params: PyTree, *,
   dtype = running.statistics_dtype(params)
   kept = (None, None)
   if leaf_norms:
-    kept = leaf_stats.zeros(fn, params, _core.layers(layer_axis), dtype)
+    judged = masking.kept_part(fn, mask, params)(params)
+    kept = leaf_stats.zeros(fn, judged, units, dtype)
   return SkipState(stats=SkipStats.fresh(dtype, *kept, window=window,
                                          update=update),
                    inner_state=inner_state)
@@ -193,7 +197,8 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
               layer_axis: PyTree = None,
               max_consecutive_skips: Scalar | None = MAX_CONSECUTIVE_SKIPS,
               window: Scalar | None = None, two_sided: bool = False,
-              update_zscore: Scalar | None = None, update_norm: bool | None = None
+              update_zscore: Scalar | None = None, update_norm: bool | None = None,
+              expert_axis: PyTree = None, mask: masking.Mask = None
               ) -> optax.GradientTransformationExtraArgs:
   """Skips whole optimizer steps on non-finite gradients, norm and loss spikes.
 
@@ -223,6 +228,8 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
     two_sided: test ``|value - mean|``: drops are spikes too.
     update_zscore: the update norm's threshold (>= 0), or None.
     update_norm: measure the update's norm every step; None: with ``update_zscore``.
+    expert_axis: with ``leaf_norms``, the axis that stacks experts.
+    mask: leaves in the judged norm (as ``optax.masked``'s mask); all reach ``inner``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -256,20 +263,22 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
   p = _validation.check_ord(fn, ord)
   where = _core.Where.of(fn, axis_name, specs)
   _validation.check_bool(fn, "leaf_norms", leaf_norms)
-  layers = _core.layers(_validation.check_layer_axis(fn, layer_axis))
+  layers = _core.experts(*_validation.check_stack_axes(fn, expert_axis, layer_axis))
+  mask = _validation.check_mask(fn, mask)
 
   def init_fn(params):
     length = (None if window is None else
               _validation.require_buffer_size(fn, "window", size))
-    return _init(fn, inner, params, leaf_norms=leaf_norms,
-                 layer_axis=layer_axis, window=length, update=update_norm)
+    return _init(fn, inner, params, leaf_norms=leaf_norms, units=layers,
+                 window=length, update=update_norm, mask=mask)
 
   def update_fn(updates, state, params=None, *, loss=None, grad_norm=None,
                 **extra_args):
     _validation.check_update(fn, updates, state, SkipState)
     # NaN or Inf in any leaf and only then: the norm is overflow-safe, so
     # its finiteness is the gradients' (one pass for both questions).
-    measured = _core.measure(fn, updates, p, where,
+    judged = masking.kept_part(fn, mask, updates)  # of any tree like the updates
+    measured = _core.measure(fn, judged(updates), p, where,
                              layers if leaf_norms else _core.TOTAL,
                              given=None if leaf_norms else grad_norm)
     dtype = state.stats.norm.dtype  # the statistics' (see init), every step
@@ -277,8 +286,7 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
     scale = loss_scales[0].scale if loss_scales else None
 
     def unscale(n):  # the input is scaled: judge the unscaled
-      return running.to_statistics(n if scale is None else n / scale,
-                                   dtype)
+      return running.to_statistics(n if scale is None else n / scale, dtype)
 
     if loss is not None:
       extra_args = {**extra_args, "loss": loss}  # inner's too, as given
@@ -287,7 +295,7 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
         loss=None if loss is None else _checked_loss(fn, loss, dtype))
     skip, new_stats, new_updates, new_inner = _run_inner(
         inner, judge, measured, updates, state.inner_state, params,
-        extra_args, update_where=where if update_norm else None,
+        extra_args, judged, update_where=where if update_norm else None,
         loss_scaled=bool(loss_scales), dtype=dtype)
     if leaf_norms:
       norms, stacks = leaf_stats.measured(measured, measured.total.dtype)

@@ -2,12 +2,14 @@
 
 A state keeps the norm of every clippable leaf as a tree of the gradients'
 structure (None where a leaf is not clippable): a scalar per leaf, or with
-``layer_axis`` a vector with one norm per layer, and then the stacked
+``layer_axis`` a vector with one norm per layer (per expert with
+``expert_axis``, a matrix per layer x expert with both), and then the stacked
 leaf's whole norm too (``stack_norms``: the norm of its layers' norms, the
 same partial sums). ``optaxclip.stats`` names each entry by its tree path,
 ``<transform>/leaf_norm/<key>/<key>/...`` (a stacked leaf's whole norm) and
-``<transform>/layer_norm/<key>/<key>/.../<i>`` for its layer ``i`` (a
-separate name, so that a sequence index is never read as a layer):
+``<transform>/layer_norm/<key>/<key>/.../<i>`` for its layer (or expert)
+``i``, ``.../<i>/<j>`` for expert ``j`` of layer ``i`` (a separate name, so
+that a sequence index is never read as a layer):
 dict keys, sequence indices and attribute names, in tree order, a ``/`` in
 a key written ``%2F`` (and ``%`` as ``%25``) so that keys stay one per
 leaf, and the ``.value`` of a flax.nnx Variable left out
@@ -18,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from optaxclip import _core, _tree
 from optaxclip._types import PyTree
@@ -73,20 +76,23 @@ def _paths(tree: PyTree) -> dict[str, jax.Array]:
   return out
 
 
-def entries(norms: PyTree, stacks: PyTree = None) -> dict[str, jax.Array]:
-  """Flat ``stats`` entries of a leaf-norm tree: ``leaf_norm/<path>``, one
-  per leaf (a stacked leaf's whole norm), and ``layer_norm/<path>/<i>`` per
-  layer of a stacked leaf; none for None."""
+def entries(norms: PyTree, stacks: PyTree = None,
+            name: str = "leaf_norm") -> dict[str, jax.Array]:
+  """Flat ``stats`` entries of a leaf-norm tree: ``name/<path>``, one per
+  leaf (a stacked leaf's whole norm), and ``layer_norm/<path>/<i>`` per layer
+  or expert of a stacked leaf (``.../<i>/<j>`` per layer x expert); none for
+  None."""
   if norms is None:
     return {}
   out = {}
   totals = _paths(stacks) if stacks is not None else {}
   for path, value in _paths(norms).items():
-    # Layers under their own name: a list index in a path ("mlp/1") is
+    # Units under their own name: a list index in a path ("mlp/1") is
     # never read as a layer ("mlp/0/1"), whatever the tree holds.
     whole = value if value.ndim == 0 else totals.get(path)
     if whole is not None:
-      out["/".join(filter(None, ["leaf_norm", path]))] = whole
-    for i in range(value.shape[0] if value.ndim else 0):
-      out["/".join(filter(None, ["layer_norm", path, str(i)]))] = value[i]
+      out["/".join(filter(None, [name, path]))] = whole
+    for index in np.ndindex(*value.shape) if value.ndim else ():
+      out["/".join(filter(None, ["layer_norm", path, *map(str, index)]))] = (
+          value[index])
   return out
