@@ -6,6 +6,7 @@ from benchmarks.targets import (
   fallback,
   guards,
   many_leaves,
+  qk_clip,
   scanned,
   standalone,
   traffic,
@@ -24,4 +25,5 @@ TARGETS: dict[str, Target] = {t.key: t for t in (
     many_leaves.TARGET,
     accuracy.TARGET,
     fallback.TARGET,
+    qk_clip.TARGET,
 )}
