@@ -155,9 +155,11 @@ def render(config: Config, results: list[dict[str, Any]]) -> Section:
               Check(f"{JUDGED} compile time / {BY_HAND}", f"{compile_ratio:.2f}",
                     "for information", None)],
       notes=[f"Query and key entries equal bit for bit in both steps' new weights: "
-             f"{result['same']:.2%} (the rest differ where XLA fuses the user's "
-             f"`(p + u) * f` into one rounding, or no float update reaches `t`: "
-             f"docs/qk_clip.md, Exactness)."],
+             f"{result['same']:.2%}. The rest differ mostly where XLA fuses AdamW's "
+             f"last multiply into `apply_updates`' add in the hand-written step, so "
+             f"that its `p + u` is not rounded as written (AdamW alone differs from a "
+             f"float32 `p + u` as often); `qk_clip` lands on the rounded `(p + u) * f` "
+             f"(docs/qk_clip.md, Exactness)."],
       bars_ms={name: statistics.median(run[name]) * 1e3 for name in STEPS})
 
 
