@@ -139,17 +139,14 @@ def test_alpha_splits_the_factor_as_megatron():
 
 def assert_lands(params, updates, want):
   """``params + updates`` is ``want`` bit for bit wherever ``want - params``
-  is a float (then an update can reach it: Sterbenz's lemma covers every
-  weight rescaled within a factor 2 of where it was); elsewhere no float
-  update reaches it, and the miss is at most the rounding of one float32
-  add at the magnitude of the old weight or the step."""
+  is a float (Sterbenz's lemma covers every weight rescaled within a factor
+  2 of where it was); elsewhere within one ulp of ``want - params``."""
   for p, u, t in zip(*(jax.tree.leaves(x) for x in (params, updates, want))):
     p, t = np.asarray(p), np.asarray(t)
     got = p + np.asarray(u)  # optax.apply_updates, in float32
     reachable = t.astype(np.float64) - p == (t - p).astype(np.float64)
     assert_bits(got[reachable], t[reachable])
-    bound = np.spacing(np.maximum(np.abs(p), np.abs(t - p)))
-    assert (np.abs(got.astype(np.float64) - t) <= bound).all()
+    assert (np.abs(got.astype(np.float64) - t) <= np.spacing(np.abs(t - p))).all()
 
 
 # -- The transform: params + updates is the rescaled params + updates.
@@ -276,7 +273,10 @@ def test_rescaled_update_lands_on_the_target(rows):
     representable = (t.astype(np.float64) - p) == (t - p).astype(np.float64)
     ok = landed == t
     assert ok[finite & representable].all()
-    # and otherwise no neighbour of the update lands either.
+    # otherwise within one ulp of t - p (twice t - p's rounding at most),
+    miss = np.abs(landed.astype(np.float64) - t)
+    assert (miss <= np.spacing(np.abs(t - p)))[finite].all()
+    # and no neighbour of the update lands either.
     for step in (-np.inf, np.inf):
       near = np.nextafter(out, np.float32(step))
       assert not ((p + near == t) & ~ok & finite).any()
