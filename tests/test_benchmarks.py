@@ -27,7 +27,7 @@ from benchmarks.targets._base import select_platform  # noqa: E402
 
 RUN = ROOT / "benchmarks" / "run.py"
 TARGETS = ("compile_step", "compile", "traffic", "guards", "scanned", "train_step", "standalone",
-           "many_leaves", "accuracy", "fallback")
+           "many_leaves", "accuracy", "fallback", "qk_clip")
 
 
 def _section(markdown: str, key: str) -> str:
@@ -78,6 +78,9 @@ def test_smoke_run_writes_every_table_and_plot(tmp_path):
   # passes, beyond the clipped step, and the same without the rescue branch
   assert re.search(r"\| skip_step\(adamw\) \| [\d.]+ \| \*\*\+[\d.]+\*\* \| \+[\d.]+ \|",
                    guards), "no passes without the rescue branch"
+  qk_clip = _section(markdown, "qk_clip")
+  for row in ("| chain(adamw, qk_clip) |", "| adamw + hand-written rescale |"):
+    assert row in qk_clip, row
   for key, what in (("compile_step", "extra step compile time"),
                     ("compile", "extra compile time")):
     assert "Against the minimal norm" in _section(markdown, key), key
