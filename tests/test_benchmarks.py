@@ -29,7 +29,8 @@ from benchmarks.targets._base import process_environment, select_platform  # noq
 
 RUN = ROOT / "benchmarks" / "run.py"
 TARGETS = ("compile_step", "compile", "traffic", "guards", "scanned", "experts", "train_step",
-           "standalone", "many_leaves", "large_tree", "large_step", "accuracy", "fallback")
+           "standalone", "many_leaves", "large_tree", "large_step", "accuracy", "fallback",
+           "qk_clip")
 
 
 def _section(markdown: str, key: str) -> str:
@@ -91,6 +92,9 @@ def test_smoke_run_writes_every_table_and_plot(tmp_path):
   for row in ("| optaxclip + adamw | ", "| skip_step(optaxclip + adamw, zscore=6) | ",
               "| floor: one read | "):
     assert row in _section(markdown, "large_step"), row
+  qk_clip = _section(markdown, "qk_clip")
+  for row in ("| chain(adamw, qk_clip) |", "| adamw + hand-written rescale |"):
+    assert row in qk_clip, row
   for key, what in (("compile_step", "extra step compile time"),
                     ("compile", "extra compile time")):
     assert "Against the minimal norm" in _section(markdown, key), key

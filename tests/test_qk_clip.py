@@ -7,8 +7,10 @@ Reference (K2 report, section 2.1): for head ``h`` with largest logit
 ``sqrt(gamma_h)``, ``q_R`` times ``gamma_h``, the shared ``k_R`` untouched.
 """
 
+import functools
+
 import jax
-import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 import pytest
@@ -42,6 +44,12 @@ def scale(x, factors, axis):
   return (x * np.asarray(factors, np.float32).reshape(shape)).astype(np.float32)
 
 
+def jit_clip(heads, alpha=0.5):
+  """``F.qk_clip`` at threshold 100 for one configuration, compiled once per
+  module (eager, its many small ops cost seconds)."""
+  return jax.jit(functools.partial(F.qk_clip, threshold=100.0, heads=heads, alpha=alpha))
+
+
 def assert_bits(got, want):
   got, want = np.asarray(got), np.asarray(want)
   assert got.dtype == want.dtype and got.shape == want.shape
@@ -54,6 +62,7 @@ MHA = {"attn": {"query": {"kernel": rand(6, 4, 3), "bias": rand(4, 3)},
                 "value": {"kernel": rand(6, 4, 3)}}}
 MHA_HEADS = oc.AttentionHeads(query="attn/query", key="attn/key", head_axis=-2)
 MHA_LOGITS = np.array([250.0, 99.0, 100.0, 1e4], np.float32)
+MHA_CLIP = jit_clip(MHA_HEADS)
 
 
 def mha_reference(params, logits):
@@ -64,7 +73,7 @@ def mha_reference(params, logits):
 
 
 def test_mha_matches_the_report():
-  out, g = F.qk_clip(MHA, MHA_LOGITS, 100.0, heads=MHA_HEADS)
+  out, g = MHA_CLIP(MHA, MHA_LOGITS)
   jax.tree.map(assert_bits, out, mha_reference(MHA, MHA_LOGITS))
   assert_bits(g, gamma(MHA_LOGITS))  # heads at or below the threshold: 1
 
@@ -73,8 +82,7 @@ def test_gqa_scales_each_group_by_its_largest_logit():
   # 4 query heads, 2 key heads: heads 0, 1 share key 0; heads 2, 3 key 1.
   params = {"q": rand(5, 4, 2), "k": rand(5, 2, 2)}
   logits = np.array([120.0, 400.0, 10.0, 20.0], np.float32)
-  heads = oc.AttentionHeads(query="q", key="k", kv_heads=2)
-  out, g = F.qk_clip(params, logits, 100.0, heads=heads)
+  out, g = jit_clip(oc.AttentionHeads(query="q", key="k", kv_heads=2))(params, logits)
   group = gamma(logits.reshape(2, 2).max(-1))  # Megatron: clamp(tau / group max, 1)
   assert_bits(out["q"], scale(params["q"], np.sqrt(np.repeat(group, 2)), 1))
   assert_bits(out["k"], scale(params["k"], np.sqrt(group), 1))
@@ -90,7 +98,7 @@ def test_mla_fused_leaves_and_the_shared_rotary_key():
   logits = np.array([300.0, 50.0, 101.0], np.float32)
   heads = oc.AttentionHeads(query="wq_b", key="wkv_b", head_axis=0,
                             rotary_dim=rope, key_dim=nope)
-  out, _ = F.qk_clip(params, logits, 100.0, heads=heads)
+  out, _ = jit_clip(heads)(params, logits)
   g = gamma(logits)
   q = params["wq_b"].reshape(h, nope + rope, 4).copy()
   q[:, :nope] = q[:, :nope] * np.sqrt(g)[:, None, None]
@@ -108,7 +116,7 @@ def test_mla_separate_rotary_query_and_stacked_layers():
   logits = np.array([[300.0, 50.0, 101.0], [1.0, 2e3, 100.0]], np.float32)
   heads = {"mla": oc.AttentionHeads(query="q_c", key="k_c", query_rotary="q_r",
                                     layer_axis=0)}
-  out, g = F.qk_clip(params, {"mla": logits}, 100.0, heads=heads)
+  out, g = jit_clip(heads)(params, {"mla": logits})
   want = gamma(logits)[:, None, :, None]
   assert_bits(out["q_c"], (params["q_c"] * np.sqrt(want)).astype(np.float32))
   assert_bits(out["k_c"], (params["k_c"] * np.sqrt(want)).astype(np.float32))
@@ -120,7 +128,7 @@ def test_alpha_splits_the_factor_as_megatron():
   params = {"q": rand(3, 2), "k": rand(3, 2)}
   logits = np.array([400.0, 1.0], np.float32)
   heads = oc.AttentionHeads(query="q", key="k", head_axis=-1)
-  out, _ = F.qk_clip(params, logits, 100.0, heads=heads, alpha=0.25)
+  out, _ = jit_clip(heads, alpha=0.25)(params, logits)
   g = gamma(logits)
   np.testing.assert_allclose(out["q"], params["q"] * g ** 0.25, rtol=1e-6)
   np.testing.assert_allclose(out["k"], params["k"] * g ** 0.75, rtol=1e-6)
@@ -131,17 +139,14 @@ def test_alpha_splits_the_factor_as_megatron():
 
 def assert_lands(params, updates, want):
   """``params + updates`` is ``want`` bit for bit wherever ``want - params``
-  is a float (then an update can reach it: Sterbenz's lemma covers every
-  weight rescaled within a factor 2 of where it was); elsewhere no float
-  update reaches it, and the miss is at most the rounding of one float32
-  add at the magnitude of the old weight or the step."""
+  is a float (Sterbenz's lemma covers every weight rescaled within a factor
+  2 of where it was); elsewhere within one ulp of ``want - params``."""
   for p, u, t in zip(*(jax.tree.leaves(x) for x in (params, updates, want))):
     p, t = np.asarray(p), np.asarray(t)
-    got = np.asarray(optax.apply_updates(p, u))
+    got = p + np.asarray(u)  # optax.apply_updates, in float32
     reachable = t.astype(np.float64) - p == (t - p).astype(np.float64)
     assert_bits(got[reachable], t[reachable])
-    bound = np.spacing(np.maximum(np.abs(p), np.abs(t - p)))
-    assert (np.abs(got.astype(np.float64) - t) <= bound).all()
+    assert (np.abs(got.astype(np.float64) - t) <= np.spacing(np.abs(t - p))).all()
 
 
 # -- The transform: params + updates is the rescaled params + updates.
@@ -150,7 +155,9 @@ def assert_lands(params, updates, want):
 TX = optax.chain(optax.sgd(0.01), oc.qk_clip(100.0, heads=MHA_HEADS))
 GRADS = jax.tree.map(lambda x: rand(*x.shape), MHA)
 SGD = jax.tree.map(lambda g: np.float32(-0.01) * g, GRADS)  # optax.sgd(0.01)'s updates
+PLAIN = jax.tree.map(np.add, MHA, SGD)  # optax.apply_updates(MHA, SGD)
 NEAR = np.array([130.0, 99.0, 100.0, 110.0], np.float32)
+STATE = TX.init(MHA)
 
 
 @jax.jit
@@ -160,9 +167,8 @@ def step(params, state, logits):
 
 
 def test_applied_updates_are_the_rescaled_weights_bit_for_bit():
-  updates, state = step(MHA, TX.init(MHA), NEAR)
-  plain = optax.apply_updates(MHA, SGD)
-  assert_lands(MHA, updates, F.qk_clip(plain, NEAR, 100.0, heads=MHA_HEADS)[0])
+  updates, state = step(MHA, STATE, NEAR)
+  assert_lands(MHA, updates, MHA_CLIP(PLAIN, NEAR)[0])
   # Heads 1 and 2 (logits 99 and 100) and the values: sgd's updates, bit for bit.
   sgd = SGD
   assert_bits(updates["attn"]["query"]["kernel"][:, 1:3], sgd["attn"]["query"]["kernel"][:, 1:3])
@@ -175,31 +181,39 @@ def test_applied_updates_are_the_rescaled_weights_bit_for_bit():
 
 def test_far_past_the_threshold():
   # Factors 0.1 and 0.63: t - p is a float less often.
-  updates, _ = step(MHA, TX.init(MHA), MHA_LOGITS)
-  plain = optax.apply_updates(MHA, SGD)
-  assert_lands(MHA, updates, F.qk_clip(plain, MHA_LOGITS, 100.0, heads=MHA_HEADS)[0])
+  updates, _ = step(MHA, STATE, MHA_LOGITS)
+  assert_lands(MHA, updates, MHA_CLIP(PLAIN, MHA_LOGITS)[0])
 
 
 def test_nonfinite_logits_leave_their_heads_alone():
   logits = np.array([np.nan, np.inf, 150.0, 1.0], np.float32)
-  updates, state = step(MHA, TX.init(MHA), logits)
+  updates, state = step(MHA, STATE, logits)
   sgd = SGD
   assert_bits(updates["attn"]["key"]["kernel"][:, :2], sgd["attn"]["key"]["kernel"][:, :2])
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(updates))
   assert int(state[1].clipped_heads) == 1 and np.isnan(state[1].max_logit)
 
 
+CLIP_ALONE = oc.qk_clip(100.0, heads=MHA_HEADS)
+
+
+@jax.jit
+def clip_alone(updates, params, logits):
+  return CLIP_ALONE.update(updates, CLIP_ALONE.init(params), params, max_logits=logits)[0]
+
+
 def test_bfloat16_params_match_a_rescale_by_hand():
-  params = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), MHA)
-  grads = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), GRADS)
-  tx = oc.qk_clip(100.0, heads=MHA_HEADS)
-  updates, _ = tx.update(grads, tx.init(params), params, max_logits=MHA_LOGITS)
-  applied = optax.apply_updates(params, updates)
-  by_hand = optax.apply_updates(params, grads)
-  root = jnp.sqrt(jnp.asarray(gamma(MHA_LOGITS)))
-  kernel = by_hand["attn"]["key"]["kernel"]
-  want = (kernel.astype(jnp.float32) * root[:, None]).astype(jnp.bfloat16)
-  assert_bits(applied["attn"]["key"]["kernel"], want)
+  params = jax.tree.map(lambda x: x.astype(ml_dtypes.bfloat16), MHA)
+  updates = clip_alone(GRADS, params, MHA_LOGITS)
+
+  def apply(p, u):  # optax.apply_updates: added in float32, rounded to bfloat16
+    return (p.astype(np.float32) + np.asarray(u)).astype(ml_dtypes.bfloat16)
+
+  kernel, grad = params["attn"]["key"]["kernel"], GRADS["attn"]["key"]["kernel"]
+  # By hand: the applied kernel rescaled in float32, rounded to bfloat16.
+  root = np.sqrt(gamma(MHA_LOGITS))
+  want = (apply(kernel, grad).astype(np.float32) * root[:, None]).astype(ml_dtypes.bfloat16)
+  assert_bits(apply(kernel, updates["attn"]["key"]["kernel"]), want)
 
 
 def test_multisteps_rescales_once_per_optimizer_step():
@@ -211,8 +225,8 @@ def test_multisteps_rescales_once_per_optimizer_step():
   updates, state = update(GRADS, state, params, max_logits=MHA_LOGITS)  # ignored
   jax.tree.map(lambda u: np.testing.assert_array_equal(u, 0), updates)  # micro-step
   updates, state = update(GRADS, state, params, max_logits=NEAR)  # the window's max
-  plain = optax.apply_updates(MHA, GRADS)
-  assert_lands(params, updates, F.qk_clip(plain, NEAR, 100.0, heads=MHA_HEADS)[0])
+  plain = jax.tree.map(np.add, MHA, GRADS)
+  assert_lands(params, updates, MHA_CLIP(plain, NEAR)[0])
   assert int(oc.stats(state)["qk_clip/count"]) == 1
 
 
@@ -227,7 +241,7 @@ def test_sharded_over_heads_equals_unsharded():
   sharded = run(shard(params, mesh, specs), shard(grads, mesh, specs),
                 shard(logits, mesh, P("h")))
   plain = jax.tree.map(lambda p, g: p + np.float32(-0.1) * g, params, grads)
-  want = F.qk_clip(plain, logits, 100.0, heads=oc.AttentionHeads("q", "k"))[0]
+  want = {name: scale(x, np.sqrt(gamma(logits)), 1) for name, x in plain.items()}
   assert_lands(params, sharded, want)
   assert_lands(params, run(params, grads, logits), want)
 
@@ -259,7 +273,10 @@ def test_rescaled_update_lands_on_the_target(rows):
     representable = (t.astype(np.float64) - p) == (t - p).astype(np.float64)
     ok = landed == t
     assert ok[finite & representable].all()
-    # and otherwise no neighbour of the update lands either.
+    # otherwise within one ulp of t - p (twice t - p's rounding at most),
+    miss = np.abs(landed.astype(np.float64) - t)
+    assert (miss <= np.spacing(np.abs(t - p)))[finite].all()
+    # and no neighbour of the update lands either.
     for step in (-np.inf, np.inf):
       near = np.nextafter(out, np.float32(step))
       assert not ((p + near == t) & ~ok & finite).any()
@@ -293,10 +310,10 @@ def test_small_factors_and_steps_are_exact_in_practice():
      ValueError, r"key='attn/kee' selects no leaf of the parameters"),
     (lambda: oc.qk_clip(100.0, heads=MHA_HEADS._replace(key="attn/query")).init(MHA),
      ValueError, r"leaf 'attn/query/bias' is selected twice \('' query and '' key\)"),
-    (lambda: F.qk_clip(MHA, MHA_LOGITS[:3], heads=MHA_HEADS), ValueError,
+    (lambda: MHA_CLIP(MHA, MHA_LOGITS[:3]), ValueError,  # raised while tracing
      r"leaf 'attn/query/bias' has 4 entries along its head axis \(0\), not a "
      r"multiple of its 3 heads"),
-    (lambda: F.qk_clip(MHA, MHA_LOGITS[None], heads=MHA_HEADS), ValueError,
+    (lambda: MHA_CLIP(MHA, MHA_LOGITS[None]), ValueError,
      r"`update\(max_logits=\.\.\.\)` for block '' must have shape \[heads\]"),
     (lambda: TX.update(GRADS, TX.init(MHA), MHA), TypeError,
      r"`qk_clip`: update needs the step's largest attention logit of every head"),

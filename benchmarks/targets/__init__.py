@@ -9,6 +9,7 @@ from benchmarks.targets import (
   large_step,
   large_tree,
   many_leaves,
+  qk_clip,
   scanned,
   standalone,
   traffic,
@@ -30,4 +31,5 @@ TARGETS: dict[str, Target] = {t.key: t for t in (
     large_step.TARGET,
     accuracy.TARGET,
     fallback.TARGET,
+    qk_clip.TARGET,
 )}

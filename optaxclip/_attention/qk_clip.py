@@ -11,8 +11,9 @@ key none. With grouped-query attention (as Megatron-LM) a group's query
 heads and their shared key head take the factor of the group's largest logit.
 
 The transform returns updates ``u'`` such that ``params + u'`` is the
-rescaled ``params + u``: ``u' = t - p`` in the dtype ``optax.apply_updates``
-adds in, nudged one ulp when that sum rounds off ``t``.
+rescaled ``params + u``: ``u' = t - p``, rounded to the update's dtype (or
+one ulp toward ``t`` where only that lands): bit for bit where ``t - p`` is a
+float, else within one ulp of ``t - p`` (docs/qk_clip.md, Exactness).
 """
 
 import math
@@ -148,7 +149,9 @@ def rescaled_update(p: jax.Array, u: jax.Array, f: jax.Array) -> jax.Array:
   ``u1 = t - p`` lands on ``t`` whenever that difference is exact
   (Sterbenz: ``p/2 <= t <= 2p``); where its rounding makes ``p + u1``
   miss ``t``, the neighbour of ``u1`` on ``t``'s side is taken if it lands.
-  Entries with ``f == 1`` keep ``u`` bit for bit.
+  Else ``p + u1`` is within one ulp of ``t - p`` of ``t``: before rounding it
+  is off by ``t - p``'s rounding, and rounding to nearest moves it at most as
+  far again. Entries with ``f == 1`` keep ``u`` bit for bit.
   """
   def apply(update):  # what optax.apply_updates computes
     return jnp.asarray(p + update).astype(p.dtype)
@@ -230,7 +233,8 @@ def qk_clip(threshold: Scalar = 100.0, *, heads: Blocks, alpha: float = 0.5
   as the model reports it, and returns updates that, applied, leave the
   query and key weights of every head whose logit passed ``threshold``
   rescaled as ``functional.qk_clip`` would rescale ``params + updates``
-  (bit for bit wherever a float update can reach them; docs/qk_clip.md).
+  (bit for bit where the new weight minus the old is a float, else within
+  one ulp of that difference; docs/qk_clip.md, Exactness).
   Other entries' updates pass through untouched. Under
   ``optax.MultiSteps`` the rescale happens once per optimizer step: pass
   the window's running maximum of ``max_logits`` at every micro-step.
