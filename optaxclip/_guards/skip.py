@@ -22,7 +22,7 @@ from optaxclip import _core, _validation
 from optaxclip._clip import scaling
 from optaxclip._guards import placement
 from optaxclip._guards.skip_stats import MAX_CONSECUTIVE_SKIPS, SkipStats, step
-from optaxclip._stats import leaf_stats, running
+from optaxclip._stats import counters, leaf_stats, running
 from optaxclip._types import AxisName, Ord, PyTree, Scalar
 
 __all__ = ["SkipState", "SkipStats", "skip_step", "step"]
@@ -293,6 +293,16 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
       norms, stacks = leaf_stats.measured(measured, measured.total.dtype)
       new_stats = new_stats._replace(leaf_norms=jax.tree.map(unscale, norms),
                                      stack_norms=jax.tree.map(unscale, stacks))
+    # Around optax.MultiSteps its own accumulator may overflow: that
+    # micro-batch is dropped too, counted as a skip.
+    overflow = placement.multisteps_finite(new_updates, new_inner,
+                                           where.axis_names)
+    if overflow is not None:
+      overflow = ~skip & ~overflow
+      skip = skip | overflow
+      new_stats = new_stats._replace(
+          skipped_count=counters.count_if(overflow, new_stats.skipped_count),
+          nonfinite_count=counters.count_if(overflow, new_stats.nonfinite_count))
     new_updates = scaling.zero_unless(~skip, new_updates)
     new_inner = _keep_unless_loss_scale(skip, new_inner, state.inner_state)
     return new_updates, SkipState(stats=new_stats, inner_state=new_inner)
