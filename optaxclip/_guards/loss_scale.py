@@ -27,7 +27,11 @@ step`` rolls back every inner state except the loss scale's, and
   skipped whole, with one back-off (a sum that is Inf as the optimizer gets
   it, in the accumulator's dtype or cast to the gradients', is one too).
   ``dynamic_loss_scale(optax.MultiSteps(...))`` drops only the overflowed
-  micro-batch and backs off at once (its ``period`` counts micro-batches).
+  micro-batch and backs off at once (its ``period`` counts micro-batches);
+  a finite micro-batch that overflows MultiSteps' own accumulator (a sum,
+  or the mean's ``grad - acc``) or its optimizer's step is one too (one
+  read of the proposed updates, accumulator and optimizer state per
+  micro-batch, only around MultiSteps).
   Inside ``MultiSteps`` the accumulator would sum scaled gradients, and one
   overflow would poison it for good.
 
@@ -74,6 +78,8 @@ from optaxclip._guards.loss_scale_schedule import (
   Schedule,
   adjust,
   raise_at_floor,
+  reciprocal,
+  unscale_leaf,
 )
 from optaxclip._stats import counters, registry
 from optaxclip._types import AxisName, Scalar
@@ -172,34 +178,18 @@ def unscale(updates: PyTree, state: LossScaleState, where: _core.Where,
   measured = _core.measure("dynamic_loss_scale", updates, 2, where)
   norm = measured.total / state.scale.astype(measured.total.dtype)
   finite = jnp.isfinite(norm)
-  inverse = _reciprocal(state.scale)
+  inverse = reciprocal(state.scale)
   if may_shrink:
     finite = finite & _unscaled_in_range(updates, inverse, norm.dtype, where)
   # Zeros rather than Inf/NaN: nothing after the loss scaling sees them.
   def unscaling(tree):
     return scaling.zero_unless(finite, _tree.map_clippable(
-        lambda x: _unscale_leaf(x, inverse), tree))
+        lambda x: unscale_leaf(x, inverse), tree))
 
   unscaled = unscaling(updates)
   known = _core.KnownNorm(jnp.where(finite, norm, 0), 2, where,
                           tuple(_tree.clippable_leaves(unscaled)))
   return unscaled, finite, known, unscaling
-
-
-def _reciprocal(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``1/scale`` as two normal float32 factors, the first in ``[1/scale, 1]``
-  (for a scale above 1): ``1/scale`` itself is subnormal above 2**126, and
-  XLA flushes it to zero. Exact for powers of two, as GradScaler's."""
-  second = jnp.where(scale > 2.0**126, jnp.float32(0.25), jnp.float32(1))
-  return 1 / (scale * second), second
-
-
-def _unscale_leaf(x: jax.Array, inverse: tuple[jax.Array, jax.Array]
-                  ) -> jax.Array:
-  # Half precision is unscaled in float32 and rounded once; the first
-  # product is at least the result, so it underflows only where that does.
-  unscaled = x * inverse[0] * inverse[1]
-  return unscaled if unscaled.dtype == x.dtype else unscaled.astype(x.dtype)
 
 
 def _unscaled_in_range(updates: PyTree, inverse: tuple[jax.Array, jax.Array],
@@ -216,13 +206,18 @@ def _unscaled_in_range(updates: PyTree, inverse: tuple[jax.Array, jax.Array],
   largest = _core.measure("dynamic_loss_scale", narrow, math.inf, where,
                           _core.PER_LEAF).units
   return jnp.all(jnp.stack([
-      jnp.isfinite((m * inverse[0] * inverse[1]).astype(jnp.finfo(x.dtype).dtype))  # complex: its parts'
+      # complex: its parts'
+      jnp.isfinite((m * inverse[0] * inverse[1]).astype(jnp.finfo(x.dtype).dtype))
       for m, x in zip(largest, narrow)]))
 
 
-def _accumulator(fn: str, params: PyTree) -> PyTree:
+def _accumulator(fn: str, params: PyTree, inner_state: PyTree) -> PyTree:
   """Zeros for the window's sum: float32 or wider per floating leaf (an
   int32 placeholder for the others, which pass through)."""
+  if isinstance(inner_state, optax.MultiStepsState):
+    raise ValueError(f"`{fn}(every_k_steps=...)` accumulates the window itself: "
+                     f"its `inner` must not be an optax.MultiSteps too (it would "
+                     f"accumulate the sums again); pass the MultiSteps' optimizer")
   if params is None:
     raise ValueError(f"`{fn}(every_k_steps=...)` sums the gradients of a "
                      f"window: `init` needs the params (or their "
@@ -279,15 +274,10 @@ def _window_finite(updates: PyTree, unscaling: Any, accumulated: PyTree,
     _, grads = _window_sum(unscaling(updates), accumulated)
     return _core.all_finite(grads, axis_name=where.axis_names)
 
-  def on_cpu(updates, accumulated):
-    return lax.cond(judged, check, lambda *_: jnp.asarray(True), updates,
-                    accumulated)
-
-  def elsewhere(*_):
-    return ~judged | _core.all_finite(grads, axis_name=where.axis_names)
-
-  return lax.platform_dependent(updates, accumulated, cpu=on_cpu,
-                                default=elsewhere)
+  return lax.platform_dependent(
+      updates, accumulated,
+      cpu=lambda *args: lax.cond(judged, check, lambda *_: jnp.asarray(True), *args),
+      default=lambda *_: ~judged | _core.all_finite(grads, axis_name=where.axis_names))
 
 
 def _advance(state: LossScaleState, finite: jax.Array, updates: PyTree,
@@ -325,6 +315,15 @@ def _advance(state: LossScaleState, finite: jax.Array, updates: PyTree,
                              summed)
   return (_count(new, state, finite), grads, accumulated,
           last & window_finite, last & at_floor)
+
+
+def _run_inner(inner: Any, known: _core.KnownNorm, state: LossScaleWrapperState,
+               params: PyTree, extra_args: dict, grads: PyTree
+               ) -> tuple[PyTree, PyTree]:
+  """``inner``'s update of ``grads``; a clipper inside takes the norm (with
+  a window: the sum's, measured)."""
+  with _core.sharing(known):
+    return inner.update(grads, state.inner_state, params, **extra_args)
 
 
 def _is_transform(x: Any) -> TypeGuard[optax.GradientTransformation]:
@@ -473,12 +472,7 @@ def dynamic_loss_scale(
     inner_state = wrapped.init(params)
     placement.check_placement(inner_state, f"{fn}(inner=...).init",
                               "inner_state")
-    accumulated = None if k is None else _accumulator(fn, params)
-    if k is not None and isinstance(inner_state, optax.MultiStepsState):
-      raise ValueError(
-          f"`{fn}(every_k_steps={every_k_steps!r})` accumulates the window "
-          f"itself: its `inner` must not be an optax.MultiSteps too (it would "
-          f"accumulate the sums again); pass the MultiSteps' optimizer")
+    accumulated = None if k is None else _accumulator(fn, params, inner_state)
     return LossScaleWrapperState(state, inner_state, accumulated)
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -486,18 +480,11 @@ def dynamic_loss_scale(
                              else LossScaleWrapperState)
     old = state if wrapped is None else state.loss_scale
     _, finite, known, unscaling = unscale(updates, old, where, may_shrink)
-
-    def run_inner(grads):
-      # A clipper inside takes the norm (with a window: the sum's, measured).
-      with _core.sharing(known):
-        return wrapped.update(grads, state.inner_state, params, **extra_args)
-
+    run = (wrapped, known, state, params, extra_args)
     proposed = None
-    if wrapped is not None and isinstance(state.inner_state,
-                                          optax.MultiStepsState):
-      # MultiSteps' own accumulator may overflow from finite micro-batches:
-      # that is an overflow too (no window here: the gradients are these).
-      proposed = run_inner(unscaling(updates))
+    if wrapped is not None and isinstance(state.inner_state, optax.MultiStepsState):
+      # Its own accumulator may overflow from finite micro-batches: an overflow too.
+      proposed = _run_inner(*run, unscaling(updates))
       finite = finite & placement.multisteps_finite(*proposed, where.axis_names)
     new, grads, accumulated, step, at_floor = _advance(
         old, finite, updates, unscaling, known.total,
@@ -506,7 +493,7 @@ def dynamic_loss_scale(
       raise_at_floor(fn, at_floor, old.scale)
     if wrapped is None:
       return grads, new
-    new_updates, new_inner = proposed or run_inner(grads)
+    new_updates, new_inner = proposed or _run_inner(*run, grads)
     # Selected on the device (no host sync): an overflow drops the step.
     new_updates = scaling.zero_unless(step, new_updates)
     new_inner = jax.tree.map(lambda new, old: jnp.where(step, new, old),

@@ -35,6 +35,23 @@ MAX_SCALE = float(np.finfo(np.float32).max)
 MIN_SCALE = 2.0**-126
 
 
+def reciprocal(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``1/scale`` as two normal float32 factors (the second 1 up to 2**126):
+  above 2**126 ``1/scale`` itself is subnormal, and XLA flushes it to zero.
+  Exact for powers of two, as GradScaler's ``1/scale``."""
+  second = jnp.where(scale > 2.0**126, jnp.float32(0.25), jnp.float32(1))
+  return 1 / (scale * second), second
+
+
+def unscale_leaf(x: jax.Array, inverse: tuple[jax.Array, jax.Array]
+                 ) -> jax.Array:
+  """``x`` times both factors of ``reciprocal``: half precision in float32,
+  rounded once. The first product is at least the result (a scale above
+  1), so it underflows only where the result does."""
+  unscaled = x * inverse[0] * inverse[1]
+  return unscaled if unscaled.dtype == x.dtype else unscaled.astype(x.dtype)
+
+
 class LossScaleState(NamedTuple):
   """State of ``dynamic_loss_scale``; every field is a scalar.
 

@@ -10,6 +10,7 @@ it is free under ``jit``.
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from optaxclip import _core, _tree
@@ -129,9 +130,9 @@ def check_placement(opt_state: Any, where: str, root: str = "opt_state") -> None
 
 
 def multisteps_finite(updates: PyTree, inner_state: Any,
-                      axis_name: Any = None) -> jax.Array | None:
-  """Whether ``optax.MultiSteps``' proposed step is finite, or None when
-  ``inner_state`` is not a ``MultiStepsState`` (nothing to judge).
+                      axis_name: Any = None) -> jax.Array:
+  """Whether ``optax.MultiSteps``' proposed step is finite (True, nothing
+  read, when ``inner_state`` is not a ``MultiStepsState``).
 
   A wrapper judges each micro-batch; MultiSteps' own accumulator can still
   overflow from finite ones (a sum, or the mean's ``grad - acc``), and its
@@ -141,7 +142,7 @@ def multisteps_finite(updates: PyTree, inner_state: Any,
   around MultiSteps (read from the state's type at trace time).
   """
   if not isinstance(inner_state, optax.MultiStepsState):
-    return None
+    return jnp.asarray(True)
   received = inner_state.acc_grads
   if jax.tree.structure(received) == jax.tree.structure(updates):
     received = jax.tree.map(
