@@ -355,14 +355,14 @@ SPECS = {
         "dynamic_loss_scale", lambda **k: oc.dynamic_loss_scale(**k),
         st.tuples(
             forms(st.one_of(st.sampled_from([2.0**-20, 1.0, 2.0**15, 2.0**100,
-                                             2.0**126]),
+                                             2.0**127]),
                             st.floats(1e-6, 1e30))),
             st.sampled_from([1, 2, 3, 2000]),
             forms(st.one_of(st.sampled_from([1.0, 2.0]), st.floats(1.0, 1e3))),
             st.floats(0.01, 1.0),
         ).map(lambda t: {"initial_scale": t[0], "period": t[1], "factor": t[2],
                          "min_scale": float(t[0]) * t[3]}),
-        {"initial_scale": [0.0, jnp.asarray(0.0), 2.0**127] + NEGATIVE + NOT_FINITE +
+        {"initial_scale": [0.0, jnp.asarray(0.0), 2.0**128] + NEGATIVE + NOT_FINITE +
                           NOT_NUMBERS,
          "period": [0, -1, jnp.asarray(0)] + BAD_INTS,
          "factor": [0.5, 0.0, jnp.asarray(0.5)] + NEGATIVE + NOT_FINITE,

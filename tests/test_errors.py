@@ -328,8 +328,8 @@ BAD_ARGUMENTS = [
         (2.0**16, ValueError, r" must be <= initial_scale, got min_scale=65536.0 > "
          r"initial_scale=32768.0")]),
     *_rows(["dynamic_loss_scale"], "initial_scale", [
-        (2.0**127, ValueError, r" must be at most 2\*\*126 \(above it 1/scale is "
-         r"subnormal")]),
+        (2.0**128, ValueError, r" must be at most the largest float32, "
+         r"3.4028234663852886e\+38 \(the scale is a float32")]),
     *_rows(["dynamic_loss_scale"], "inner", [
         ("adamw", TypeError, r" must be an optax GradientTransformation or None, "
          r"got 'adamw'")]),

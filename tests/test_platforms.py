@@ -55,6 +55,15 @@ PROGRAMS = {
         _update(oc.skip_step(CLIPPED_ADAMW, zscore=6.0)),
     "dynamic_loss_scale(chain(clip, adamw))":
         _update(oc.dynamic_loss_scale(CLIPPED_ADAMW)),
+    "dynamic_loss_scale(adamw, every_k_steps=4)":
+        _update(oc.dynamic_loss_scale(optax.adamw(1e-3), every_k_steps=4)),
+    "dynamic_loss_scale(adamw, every_k_steps=4, min_scale=2**-20)":
+        _update(oc.dynamic_loss_scale(optax.adamw(1e-3), every_k_steps=4,
+                                      min_scale=2.0**-20)),
+    "dynamic_loss_scale(MultiSteps(adamw))":
+        _update(oc.dynamic_loss_scale(optax.MultiSteps(optax.adamw(1e-3), 4))),
+    "skip_step(MultiSteps(adamw))":
+        _update(oc.skip_step(optax.MultiSteps(optax.adamw(1e-3), 4))),
     "per layer": _update(oc.clip_by_norm(
         1.0, layer_axis={"embed": None, "layers": 0, "bias": None})),
     "leaf norms": _update(oc.clip_by_global_norm(1.0, leaf_norms=True)),
@@ -91,6 +100,14 @@ def test_accelerator_programs_hold_no_conditional(name, platform):
 def test_the_cpu_program_keeps_the_rescue():
   # The CPU keeps its branch not taken: the rescue costs nothing there.
   lowered = jax.jit(F.global_norm).trace(TREE).lower(lowering_platforms=("cpu",))
+  assert two_way_conditionals(lowered) != []
+
+
+def test_the_cpu_window_check_keeps_its_branch():
+  # dynamic_loss_scale(every_k_steps): the CPU redoes the window's sum only
+  # when its bound is too large; accelerators judge the sum every step.
+  fn, args = PROGRAMS["dynamic_loss_scale(adamw, every_k_steps=4)"]
+  lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cpu",))
   assert two_way_conditionals(lowered) != []
 
 

@@ -27,7 +27,11 @@ step`` rolls back every inner state except the loss scale's, and
   skipped whole, with one back-off (a sum that is Inf as the optimizer gets
   it, in the accumulator's dtype or cast to the gradients', is one too).
   ``dynamic_loss_scale(optax.MultiSteps(...))`` drops only the overflowed
-  micro-batch and backs off at once (its ``period`` counts micro-batches).
+  micro-batch and backs off at once (its ``period`` counts micro-batches);
+  a finite micro-batch that overflows MultiSteps' own accumulator (a sum,
+  or the mean's ``grad - acc``) or its optimizer's step is one too (one
+  read of the proposed updates, accumulator and optimizer state per
+  micro-batch, only around MultiSteps).
   Inside ``MultiSteps`` the accumulator would sum scaled gradients, and one
   overflow would poison it for good.
 
@@ -74,6 +78,8 @@ from optaxclip._guards.loss_scale_schedule import (
   Schedule,
   adjust,
   raise_at_floor,
+  reciprocal,
+  unscale_leaf,
 )
 from optaxclip._stats import counters, registry
 from optaxclip._types import AxisName, Scalar
@@ -172,14 +178,13 @@ def unscale(updates: PyTree, state: LossScaleState, where: _core.Where,
   measured = _core.measure("dynamic_loss_scale", updates, 2, where)
   norm = measured.total / state.scale.astype(measured.total.dtype)
   finite = jnp.isfinite(norm)
-  inverse = 1 / state.scale
+  inverse = reciprocal(state.scale)
   if may_shrink:
     finite = finite & _unscaled_in_range(updates, inverse, norm.dtype, where)
-  # A multiply by 1/scale: exact for powers of two, and each leaf keeps its
-  # dtype (half precision is unscaled in float32 and rounded once). Zeros
-  # rather than Inf/NaN: nothing after the loss scaling sees them.
+  # Zeros rather than Inf/NaN: nothing after the loss scaling sees them.
   def unscaling(tree):
-    return scaling.zero_unless(finite, scaling.scale_leaves(tree, inverse))
+    return scaling.zero_unless(finite, _tree.map_clippable(
+        lambda x: unscale_leaf(x, inverse), tree))
 
   unscaled = unscaling(updates)
   known = _core.KnownNorm(jnp.where(finite, norm, 0), 2, where,
@@ -187,7 +192,7 @@ def unscale(updates: PyTree, state: LossScaleState, where: _core.Where,
   return unscaled, finite, known, unscaling
 
 
-def _unscaled_in_range(updates: PyTree, inverse: jax.Array,
+def _unscaled_in_range(updates: PyTree, inverse: tuple[jax.Array, jax.Array],
                        norm_dtype: Any, where: _core.Where) -> jax.Array:
   """Whether every leaf narrower than the norm stays finite once unscaled:
   its largest magnitude (its inf-norm, over every device) times
@@ -201,13 +206,18 @@ def _unscaled_in_range(updates: PyTree, inverse: jax.Array,
   largest = _core.measure("dynamic_loss_scale", narrow, math.inf, where,
                           _core.PER_LEAF).units
   return jnp.all(jnp.stack([
-      jnp.isfinite((m * inverse).astype(jnp.finfo(x.dtype).dtype))  # complex: its parts'
+      # complex: its parts'
+      jnp.isfinite((m * inverse[0] * inverse[1]).astype(jnp.finfo(x.dtype).dtype))
       for m, x in zip(largest, narrow)]))
 
 
-def _accumulator(fn: str, params: PyTree) -> PyTree:
+def _accumulator(fn: str, params: PyTree, inner_state: PyTree) -> PyTree:
   """Zeros for the window's sum: float32 or wider per floating leaf (an
   int32 placeholder for the others, which pass through)."""
+  if isinstance(inner_state, optax.MultiStepsState):
+    raise ValueError(f"`{fn}(every_k_steps=...)` accumulates the window itself: "
+                     f"its `inner` must not be an optax.MultiSteps too (it would "
+                     f"accumulate the sums again); pass the MultiSteps' optimizer")
   if params is None:
     raise ValueError(f"`{fn}(every_k_steps=...)` sums the gradients of a "
                      f"window: `init` needs the params (or their "
@@ -241,28 +251,33 @@ def _window_sum(unscaled: PyTree, accumulated: PyTree) -> tuple[PyTree, PyTree]:
 
 
 def _window_finite(updates: PyTree, unscaling: Any, accumulated: PyTree,
-                   bound: jax.Array, last: jax.Array,
+                   grads: PyTree, bound: jax.Array, last: jax.Array,
                    where: _core.Where) -> jax.Array:
-  """Whether the window's sum is finite as the optimizer gets it: summed
-  in the accumulator's dtype, then cast to the gradients' (float16: a sum
-  past 65504 is Inf there). No entry of the sum exceeds ``bound``, the sum
-  of the micro-batches' norms: below half the narrowest dtype's largest
-  number (rounding cannot double it) nothing is read. Above it, at the
-  window's last micro-batch, the sum is redone from the update and the
-  accumulator and checked (one read of each, inside the ``lax.cond``; the
-  sum outside stays fused into its consumers)."""
+  """Whether the window's sum is finite as the optimizer gets it (``grads``:
+  summed in the accumulator's dtype, then cast to the gradients'; float16:
+  a sum past 65504 is Inf there), judged at the window's last micro-batch.
+  No entry of the sum exceeds ``bound``, the sum of the micro-batches'
+  norms: below half the narrowest dtype's largest number (rounding cannot
+  double it) the sum is finite. On the CPU, only a larger bound redoes the
+  sum from the update and the accumulator inside a ``lax.cond`` (one read
+  of each; the sum outside stays fused into its consumers). On GPU and TPU
+  a conditional runs both branches anyway (docs/design.md, "Platforms"):
+  ``grads`` is judged every step, a pass XLA fuses with the sum's."""
   leaves = _tree.clippable_leaves(updates) + _tree.clippable_leaves(accumulated)
   if not leaves:
     return jnp.asarray(True)
   largest = min(float(jnp.finfo(x.dtype).max) for x in leaves)
   half = jnp.float32(min(largest, float(jnp.finfo(jnp.float32).max)) / 2)
+  judged = last & ~(bound <= half)
 
   def check(updates, accumulated):
     _, grads = _window_sum(unscaling(updates), accumulated)
     return _core.all_finite(grads, axis_name=where.axis_names)
 
-  return lax.cond(last & ~(bound <= half), check,
-                  lambda *_: jnp.asarray(True), updates, accumulated)
+  return lax.platform_dependent(
+      updates, accumulated,
+      cpu=lambda *args: lax.cond(judged, check, lambda *_: jnp.asarray(True), *args),
+      default=lambda *_: ~judged | _core.all_finite(grads, axis_name=where.axis_names))
 
 
 def _advance(state: LossScaleState, finite: jax.Array, updates: PyTree,
@@ -282,8 +297,8 @@ def _advance(state: LossScaleState, finite: jax.Array, updates: PyTree,
   last = micro >= every_k_steps
   summed, grads = _window_sum(unscaled, accumulated)
   bound = state.window_norm + norm.astype(jnp.float32)  # 0 for an overflow
-  finite = finite & _window_finite(updates, unscaling, accumulated, bound,
-                                   last, where)
+  finite = finite & _window_finite(updates, unscaling, accumulated, grads,
+                                   bound, last, where)
   window_finite = finite & (state.window_overflows == 0)
   # The optimizer never sees an Inf: its update is dropped anyway.
   grads = scaling.zero_unless(finite, grads)
@@ -302,6 +317,15 @@ def _advance(state: LossScaleState, finite: jax.Array, updates: PyTree,
           last & window_finite, last & at_floor)
 
 
+def _run_inner(inner: Any, known: _core.KnownNorm, state: LossScaleWrapperState,
+               params: PyTree, extra_args: dict, grads: PyTree
+               ) -> tuple[PyTree, PyTree]:
+  """``inner``'s update of ``grads``; a clipper inside takes the norm (with
+  a window: the sum's, measured)."""
+  with _core.sharing(known):
+    return inner.update(grads, state.inner_state, params, **extra_args)
+
+
 def _is_transform(x: Any) -> TypeGuard[optax.GradientTransformation]:
   return hasattr(x, "init") and hasattr(x, "update")
 
@@ -314,8 +338,8 @@ def _check_scale(fn: str, arg: str, value: Any) -> Any:
     return value
   if float(value) > MAX_SCALE:
     raise ValueError(
-        f"`{fn}({arg}=...)` must be at most 2**126 (above it 1/scale is "
-        f"subnormal and flushes to zero, zeroing every gradient), got "
+        f"`{fn}({arg}=...)` must be at most the largest float32, "
+        f"{MAX_SCALE!r} (the scale is a float32, as GradScaler's), got "
         f"{value!r}")
   if float(value) < MIN_SCALE:
     raise ValueError(
@@ -384,7 +408,7 @@ def dynamic_loss_scale(
   docs/migration/pytorch.md; traced values: docs/hyperparameters.md.
 
   Args:
-    initial_scale: the first scale, in [2**-126, 2**126]; or ``inner``.
+    initial_scale: the first scale, a float32 >= 2**-126; or ``inner``.
     period: finite optimizer steps in a row before the scale grows.
     factor: what the scale is multiplied or divided by (a number >= 1).
     min_scale: the smallest scale (GradScaler has none: 2.0**-126); below 1,
@@ -448,7 +472,7 @@ def dynamic_loss_scale(
     inner_state = wrapped.init(params)
     placement.check_placement(inner_state, f"{fn}(inner=...).init",
                               "inner_state")
-    accumulated = None if k is None else _accumulator(fn, params)
+    accumulated = None if k is None else _accumulator(fn, params, inner_state)
     return LossScaleWrapperState(state, inner_state, accumulated)
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -456,6 +480,12 @@ def dynamic_loss_scale(
                              else LossScaleWrapperState)
     old = state if wrapped is None else state.loss_scale
     _, finite, known, unscaling = unscale(updates, old, where, may_shrink)
+    run = (wrapped, known, state, params, extra_args)
+    proposed = None
+    if wrapped is not None and isinstance(state.inner_state, optax.MultiStepsState):
+      # Its own accumulator may overflow from finite micro-batches: an overflow too.
+      proposed = _run_inner(*run, unscaling(updates))
+      finite = finite & placement.multisteps_finite(*proposed, where.axis_names)
     new, grads, accumulated, step, at_floor = _advance(
         old, finite, updates, unscaling, known.total,
         None if wrapped is None else state.accumulated, schedule, k, where)
@@ -463,10 +493,7 @@ def dynamic_loss_scale(
       raise_at_floor(fn, at_floor, old.scale)
     if wrapped is None:
       return grads, new
-    # A clipper inside takes the norm (with a window: the sum's, measured).
-    with _core.sharing(known):
-      new_updates, new_inner = wrapped.update(grads, state.inner_state,
-                                              params, **extra_args)
+    new_updates, new_inner = proposed or _run_inner(*run, grads)
     # Selected on the device (no host sync): an overflow drops the step.
     new_updates = scaling.zero_unless(step, new_updates)
     new_inner = jax.tree.map(lambda new, old: jnp.where(step, new, old),

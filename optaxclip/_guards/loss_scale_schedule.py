@@ -21,18 +21,35 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.core import Tracer
 
 from optaxclip._clip.on_nonfinite import NonFiniteGradientError
 from optaxclip._stats import counters
 
-# The largest loss scale: the gradients are unscaled by 1/scale, and above
-# 2**126 that reciprocal is subnormal, which XLA:CPU and GPUs flush to zero
-# (every unscaled gradient would be 0, and no overflow would ever be seen).
-MAX_SCALE = 2.0**126
+# The largest loss scale: GradScaler grows while the grown float32 is finite
+# (2**127 with factor 2). Unscaling takes 1/scale as two normal factors.
+MAX_SCALE = float(np.finfo(np.float32).max)
 # The smallest: below it the scale itself is subnormal (flushed to zero).
 MIN_SCALE = 2.0**-126
+
+
+def reciprocal(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``1/scale`` as two normal float32 factors (the second 1 up to 2**126):
+  above 2**126 ``1/scale`` itself is subnormal, and XLA flushes it to zero.
+  Exact for powers of two, as GradScaler's ``1/scale``."""
+  second = jnp.where(scale > 2.0**126, jnp.float32(0.25), jnp.float32(1))
+  return 1 / (scale * second), second
+
+
+def unscale_leaf(x: jax.Array, inverse: tuple[jax.Array, jax.Array]
+                 ) -> jax.Array:
+  """``x`` times both factors of ``reciprocal``: half precision in float32,
+  rounded once. The first product is at least the result (a scale above
+  1), so it underflows only where the result does."""
+  unscaled = x * inverse[0] * inverse[1]
+  return unscaled if unscaled.dtype == x.dtype else unscaled.astype(x.dtype)
 
 
 class LossScaleState(NamedTuple):
@@ -95,8 +112,9 @@ class Schedule(NamedTuple):
 def adjust(state: LossScaleState, finite: jax.Array, schedule: Schedule
            ) -> tuple[LossScaleState, jax.Array]:
   """The state after one optimizer step (see the module docstring), and
-  whether a back-off was due at ``min_scale``. Growth stops at ``MAX_SCALE``
-  (good_steps and hysteresis still restart)."""
+  whether a back-off was due at ``min_scale``. Growth stops where the grown
+  scale would not be a finite float32, as GradScaler's (good_steps and
+  hysteresis still restart)."""
   s = schedule
   scale, left = state.scale, state.hysteresis
   factor = jnp.asarray(s.factor, jnp.float32)

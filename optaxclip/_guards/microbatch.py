@@ -10,8 +10,11 @@ micro-batch before adding it, and ``microbatch_guard()`` is one: a
 micro-batch whose global norm is NaN or Inf (or above ``max_norm``) is
 dropped as if it had never come, and the window waits for the next good one.
 
-``skip_step(optax.MultiSteps(...))`` recovers too: ``skip_step`` judges each
-micro-batch and rolls the whole ``MultiSteps`` state (the accumulator
+The guard sees the micro-batch only, never the accumulator: finite
+micro-batches whose sum (or the mean's ``grad - acc``) overflows would still
+reach the optimizer as Inf. ``skip_step(optax.MultiSteps(...))`` (the guard
+inside or not) catches that too: it judges each micro-batch and MultiSteps'
+proposed step, and rolls the whole ``MultiSteps`` state (the accumulator
 included) back on a bad one.
 """
 
@@ -63,6 +66,9 @@ def microbatch_guard(*, max_norm: Scalar | None = None, ord: Ord = 2,
 
   With loss scaling, wrap the whole of it, ``dynamic_loss_scale(
   optax.MultiSteps(...))``: the guard then judges unscaled micro-batches.
+  It never sees MultiSteps' accumulator, whose sum of finite micro-batches
+  can overflow: ``skip_step(optax.MultiSteps(...))`` or the loss scale
+  around it drops such a micro-batch.
 
   Args:
     max_norm: drop micro-batches whose global norm exceeds it (a number

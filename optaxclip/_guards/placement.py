@@ -10,8 +10,10 @@ it is free under ``jit``.
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
+from optaxclip import _core, _tree
 from optaxclip._stats import registry
 
 PyTree = Any
@@ -125,3 +127,26 @@ def check_placement(opt_state: Any, where: str, root: str = "opt_state") -> None
             f"wrongly. Put the loss scaling first: optax.chain("
             f"optaxclip.dynamic_loss_scale(...), clipper, optimizer), or "
             f"optaxclip.dynamic_loss_scale(optax.chain(clipper, optimizer))")
+
+
+def multisteps_finite(updates: PyTree, inner_state: Any,
+                      axis_name: Any = None) -> jax.Array:
+  """Whether ``optax.MultiSteps``' proposed step is finite (True, nothing
+  read, when ``inner_state`` is not a ``MultiStepsState``).
+
+  A wrapper judges each micro-batch; MultiSteps' own accumulator can still
+  overflow from finite ones (a sum, or the mean's ``grad - acc``), and its
+  optimizer would take that Inf. Judged: the proposed updates, the
+  accumulator as the optimizer gets it (cast to the updates' dtype) and the
+  optimizer's state: one read of each, on every micro-batch, and only
+  around MultiSteps (read from the state's type at trace time).
+  """
+  if not isinstance(inner_state, optax.MultiStepsState):
+    return jnp.asarray(True)
+  received = inner_state.acc_grads
+  if jax.tree.structure(received) == jax.tree.structure(updates):
+    received = jax.tree.map(
+        lambda a, u: a.astype(u.dtype) if _tree.is_clippable(a)
+        and _tree.is_clippable(u) else a, received, updates)
+  return _core.all_finite((updates, received, inner_state.inner_opt_state),
+                          axis_name=axis_name)

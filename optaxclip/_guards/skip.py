@@ -23,7 +23,7 @@ from optaxclip import _core, _validation
 from optaxclip._clip import masking, scaling
 from optaxclip._guards import placement
 from optaxclip._guards.skip_stats import MAX_CONSECUTIVE_SKIPS, SkipStats, step
-from optaxclip._stats import leaf_stats, running
+from optaxclip._stats import counters, leaf_stats, running
 from optaxclip._types import AxisName, Ord, PyTree, Scalar
 
 __all__ = ["SkipState", "SkipStats", "skip_step", "step"]
@@ -172,6 +172,21 @@ def _run_inner(inner, judge, measured: _core.Measured, updates: PyTree,
   return (skip, stats, *run(feed, measured.known(judged(feed))))
 
 
+def _judge_multisteps(skip: jax.Array, stats: SkipStats, updates: PyTree,
+                      inner_state: PyTree, where: _core.Where
+                      ) -> tuple[jax.Array, SkipStats]:
+  """Around ``optax.MultiSteps``, a micro-batch that overflows its own
+  accumulator (or its optimizer's step) is skipped too, counted as a
+  non-finite step (``placement.multisteps_finite``); else as they were."""
+  if not isinstance(inner_state, optax.MultiStepsState):
+    return skip, stats
+  overflow = ~skip & ~placement.multisteps_finite(updates, inner_state,
+                                                  where.axis_names)
+  return skip | overflow, stats._replace(
+      skipped_count=counters.count_if(overflow, stats.skipped_count),
+      nonfinite_count=counters.count_if(overflow, stats.nonfinite_count))
+
+
 def _init(fn: str, inner: optax.GradientTransformation, params: PyTree, *,
           leaf_norms: bool, units: _core.Kept, window: int | None,
           update: bool, mask: masking.Mask) -> SkipState:
@@ -301,6 +316,8 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
       norms, stacks = leaf_stats.measured(measured, measured.total.dtype)
       new_stats = new_stats._replace(leaf_norms=jax.tree.map(unscale, norms),
                                      stack_norms=jax.tree.map(unscale, stacks))
+    skip, new_stats = _judge_multisteps(skip, new_stats, new_updates,
+                                        new_inner, where)
     new_updates = scaling.zero_unless(~skip, new_updates)
     new_inner = _keep_unless_loss_scale(skip, new_inner, state.inner_state)
     return new_updates, SkipState(stats=new_stats, inner_state=new_inner)

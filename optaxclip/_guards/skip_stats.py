@@ -51,7 +51,8 @@ class SkipStats(NamedTuple):
     forced_count: int32 ``[]``: finite steps that would have been skipped
       but were let through, ``max_consecutive_skips`` having been skipped
       in a row before them.
-    nonfinite_count: int32 ``[]``: steps whose norm was NaN or Inf.
+    nonfinite_count: int32 ``[]``: steps whose norm was NaN or Inf (around
+      ``optax.MultiSteps``: or whose proposed step was, its accumulator's).
     max_norm_count: int32 ``[]``: finite steps with a norm above
       ``max_norm``.
     zscore_count: int32 ``[]``: finite steps with a z-score above
