@@ -26,7 +26,7 @@ test: install-test
 	$(PY) -m ruff check optaxclip tests benchmarks examples
 	$(VENV)/bin/pyright
 	$(PY) -m pytest -q -n auto
-	OPTAXCLIP_KERNEL=one_pass $(PY) -m pytest -q -n auto tests/test_global_norm.py
+	OPTAXCLIP_KERNEL=one_pass $(PY) -m pytest -q -n auto tests/test_global_norm.py tests/test_distributed.py
 
 docs: install-test
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict

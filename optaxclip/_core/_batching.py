@@ -226,13 +226,13 @@ def _added(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]):
 
 def reduce_many(grouped: Grouped, elementwise: Callable[[Any, Group], tuple],
                 reduction: Reduction, *, total: bool,
-                reducer: Callable[..., tuple] = _sums,
+                reducer: Callable[..., Any] = _sums,
                 combine: Callable[[tuple, tuple], tuple] = _added,
                 across: Callable[..., tuple] | None = None) -> tuple:
   """``reduce`` for an ``elementwise`` that gives several arrays (sums of
   each, or ``reducer``/``combine`` of them together, as a variadic
   reduction): each group is read once for all of them, and they cross the
-  devices together (``across(*partials, sizes)``; by default one
+  devices together (``across(partials, sizes)``; by default one
   all-reduce of the sums side by side)."""
   groups = grouped.groups
   if across is None:
@@ -242,17 +242,16 @@ def reduce_many(grouped: Grouped, elementwise: Callable[[Any, Group], tuple],
     for group in groups:
       out = elementwise(group.values, group)
       results.append(reducer(out, axis=tuple(range(out[0].ndim))))
-    return across(*functools.reduce(combine, results), ())
-  partials = across(*grouped.per_unit(groups, elementwise, reducer),
+    return across(functools.reduce(combine, results), ())
+  partials = across(grouped.per_unit(groups, elementwise, reducer),
                     grouped.sizes)
   return reducer(partials, axis=(0,)) if total else partials
 
 
-def _sums_across(reduction: Reduction, *partials: jax.Array
-                 ) -> tuple[jax.Array, ...]:
-  """Sums over devices of several partials (the last argument: the unit
-  sizes), with one all-reduce."""
-  *partials, sizes = partials
+def _sums_across(reduction: Reduction, partials: tuple[jax.Array, ...],
+                 sizes: tuple[int, ...]) -> tuple[jax.Array, ...]:
+  """Sums over devices of several partials, units of ``sizes`` per leaf,
+  with one all-reduce."""
   if not reduction.axis_names:
     return tuple(partials)
   k = len(partials)
