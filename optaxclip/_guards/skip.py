@@ -204,6 +204,15 @@ def _init(fn: str, inner: optax.GradientTransformation, params: PyTree, *,
                    inner_state=inner_state)
 
 
+def _measuring(fn: str, ord, axis_name, specs, leaf_norms, layer_axis,
+               expert_axis, mask):
+  """``(p, where, units, mask)``: what the judged norm measures, checked."""
+  _validation.check_bool(fn, "leaf_norms", leaf_norms)
+  return (_validation.check_ord(fn, ord), _core.Where.of(fn, axis_name, specs),
+          _core.experts(*_validation.check_stack_axes(fn, expert_axis, layer_axis)),
+          _validation.check_mask(fn, mask))
+
+
 def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
               max_norm: Scalar | None = None, zscore: Scalar | None = None,
               ema_decay: Scalar = 0.99, warmup_steps: Scalar | None = None,
@@ -275,11 +284,8 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
                        two_sided=two_sided)
   size = None if window is None else _window(fn, window, warmup_steps)
   update_norm = _check_update_norm(fn, update_norm, update_zscore)
-  p = _validation.check_ord(fn, ord)
-  where = _core.Where.of(fn, axis_name, specs)
-  _validation.check_bool(fn, "leaf_norms", leaf_norms)
-  layers = _core.experts(*_validation.check_stack_axes(fn, expert_axis, layer_axis))
-  mask = _validation.check_mask(fn, mask)
+  p, where, layers, mask = _measuring(fn, ord, axis_name, specs, leaf_norms,
+                                      layer_axis, expert_axis, mask)
 
   def init_fn(params):
     length = (None if window is None else
