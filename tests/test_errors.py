@@ -498,7 +498,7 @@ BAD_ARGUMENTS = [
     *_rows(["clip_by_global_norm", "clip_grad_norm"], "scale_only", [
         ({"w": "yes"}, TypeError, r" must hold bools \(True: the leaf is scaled\), got 'yes'"),
         ({"w": jnp.array(True)}, TypeError,
-         r" chooses which leaves are scaled and must be static")]),
+         r" must be static Python values \(bools, a tree prefix of them")]),
     *_rows(["clip_by_global_norm.init", "clip_grad_norm.init"], "scale_only", [
         ({"nope": True}, ValueError, r" must be a tree prefix of the gradients with bool "
          r"leaves .*; it does not match the gradient tree")]),

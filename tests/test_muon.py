@@ -124,7 +124,7 @@ def test_scale_only_forms_agree_and_bad_ones_are_refused():
 def test_scale_only_refused_as_a_schedule_and_traced():
   params = {"w": jnp.ones((2, 2)), "b": jnp.ones(2)}
   injected = optax.inject_hyperparams(oc.clip_by_global_norm)(max_norm=1.0, scale_only=adam_mask)
-  with pytest.raises(TypeError, match=r"scale_only=...\).*static_args"):
+  with pytest.raises(TypeError, match=r"scale_only.*static_args"):
     injected.init(params)
   static = optax.inject_hyperparams(oc.clip_by_global_norm, static_args=("scale_only",))(
       max_norm=1.0, scale_only=adam_mask)

@@ -280,16 +280,17 @@ def _window_finite(updates: PyTree, unscaling: Any, accumulated: PyTree,
       default=lambda *_: ~judged | _core.all_finite(grads, axis_name=where.axis_names))
 
 
-def _advance(state: LossScaleState, finite: jax.Array, updates: PyTree,
-             unscaling: Any, norm: jax.Array, accumulated: PyTree,
-             schedule: Schedule, every_k_steps: Any, where: _core.Where):
+def _advance(state: LossScaleState, finite: jax.Array, unscaled: PyTree,
+             updates: PyTree, unscaling: Any, norm: jax.Array,
+             accumulated: PyTree, schedule: Schedule, every_k_steps: Any,
+             where: _core.Where):
   """One update: the new state, the gradients for the optimizer, the
   accumulator, whether the optimizer steps, whether a back-off was due at
   the floor. Without an accumulator each update is an optimizer step;
   with one, the ``every_k_steps``-th micro-batch of a window is, and a
   window whose sum overflows is an overflow (counted on its last
-  micro-batch)."""
-  unscaled = unscaling(updates)
+  micro-batch). ``unscaled``: the very tree the norm ``known`` was taken of
+  (a clipper inside then takes the norm instead of reading it again)."""
   if accumulated is None:
     new, at_floor = adjust(state, finite, schedule)
     return _count(new, state, finite), unscaled, None, finite, at_floor
@@ -479,15 +480,15 @@ def dynamic_loss_scale(
     _validation.check_update(fn, updates, state, LossScaleState if wrapped is None
                              else LossScaleWrapperState)
     old = state if wrapped is None else state.loss_scale
-    _, finite, known, unscaling = unscale(updates, old, where, may_shrink)
+    unscaled, finite, known, unscaling = unscale(updates, old, where, may_shrink)
     run = (wrapped, known, state, params, extra_args)
     proposed = None
     if wrapped is not None and isinstance(state.inner_state, optax.MultiStepsState):
       # Its own accumulator may overflow from finite micro-batches: an overflow too.
-      proposed = _run_inner(*run, unscaling(updates))
+      proposed = _run_inner(*run, unscaled)
       finite = finite & placement.multisteps_finite(*proposed, where.axis_names)
     new, grads, accumulated, step, at_floor = _advance(
-        old, finite, updates, unscaling, known.total,
+        old, finite, unscaled, updates, unscaling, known.total,
         None if wrapped is None else state.accumulated, schedule, k, where)
     if raise_at_min:
       raise_at_floor(fn, at_floor, old.scale)
