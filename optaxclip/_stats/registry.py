@@ -82,7 +82,8 @@ def stats(opt_state: optax.OptState) -> dict[str, jax.Array]:
     >>> params = {"w": jnp.ones(4)}
     >>> _, state = tx.update(params, tx.init(params), params)
     >>> print(*sorted(oc.stats(state)))
-    clip/clip_rate clip/clipped_count clip/count clip/floor_count clip/min_scale clip/nonfinite_count clip/norm clip/scale
+    clip/clip_rate clip/clipped_count clip/count clip/floor_count clip/min_scale
+    clip/nonfinite_count clip/norm clip/scale
     >>> oc.stats(state)["clip/norm"]
     Array(2., dtype=float32)
   """
