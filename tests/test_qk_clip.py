@@ -96,7 +96,7 @@ def test_mla_fused_leaves_and_the_shared_rotary_key():
   params = {"wq_b": rand(h * (nope + rope), 4), "wkv_b": rand(h * (nope + v), 4),
             "wkv_a": rand(4, 5)}
   logits = np.array([300.0, 50.0, 101.0], np.float32)
-  heads = oc.AttentionHeads(query="wq_b", key="wkv_b", head_axis=0,
+  heads = oc.AttentionHeads(query="wq_b", key="wkv_b", head_axis=0, num_heads=h,
                             rotary_dim=rope, key_dim=nope)
   out, _ = jit_clip(heads)(params, logits)
   g = gamma(logits)
@@ -302,19 +302,23 @@ def test_small_factors_and_steps_are_exact_in_practice():
     (lambda: oc.qk_clip(float("nan"), heads=MHA_HEADS), ValueError, r"threshold.*got nan"),
     (lambda: oc.qk_clip(100.0, heads=MHA_HEADS, alpha=1.0), ValueError,
      r"`qk_clip\(alpha=\.\.\.\)` must be a number in \(0, 1\)"),
-    (lambda: oc.qk_clip(100.0, heads={"a": "attn/query"}), TypeError,
+    (lambda: oc.qk_clip(100.0, heads=["attn/query"]), TypeError,
      r"`qk_clip\(heads=\.\.\.\)` must be an AttentionHeads or a non-empty dict"),
+    (lambda: oc.qk_clip(100.0, heads={"a": "attn/query"}), TypeError,
+     r"`qk_clip\(heads=\.\.\.\)`: heads\['a'\] must be an AttentionHeads, got 'attn/query'"),
     (lambda: oc.qk_clip(100.0, heads=MHA_HEADS._replace(head_axis=3)).init(MHA), ValueError,
-     r"block '' has head_axis=3, but leaf 'attn/query/bias' has 2 axes"),
+     r"AttentionHeads.head_axis=3, but leaf 'attn/query/bias' has 2 axes"),
     (lambda: oc.qk_clip(100.0, heads=MHA_HEADS._replace(key="attn/kee")).init(MHA),
      ValueError, r"key='attn/kee' selects no leaf of the parameters"),
     (lambda: oc.qk_clip(100.0, heads=MHA_HEADS._replace(key="attn/query")).init(MHA),
-     ValueError, r"leaf 'attn/query/bias' is selected twice \('' query and '' key\)"),
+     ValueError, r"leaf 'attn/query/bias' is selected twice \(AttentionHeads.query and "
+     r"AttentionHeads.key\)"),
     (lambda: MHA_CLIP(MHA, MHA_LOGITS[:3]), ValueError,  # raised while tracing
-     r"leaf 'attn/query/bias' has 4 entries along its head axis \(0\), not a "
-     r"multiple of its 3 heads"),
+     r"AttentionHeads leaf 'attn/query/bias' has 4 entries along its head axis \(0\), "
+     r"but max_logits has 3 heads"),
     (lambda: MHA_CLIP(MHA, MHA_LOGITS[None]), ValueError,
-     r"`update\(max_logits=\.\.\.\)` for block '' must have shape \[heads\]"),
+     r"`update\(max_logits=\.\.\.\)` for AttentionHeads must be real numbers of "
+     r"shape \[heads\], got shape \(1, 4\)"),
     (lambda: TX.update(GRADS, TX.init(MHA), MHA), TypeError,
      r"`qk_clip`: update needs the step's largest attention logit of every head"),
     (lambda: TX.update(GRADS, TX.init(MHA), None, max_logits=MHA_LOGITS), ValueError,

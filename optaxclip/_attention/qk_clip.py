@@ -22,11 +22,13 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from optax._src import base as optax_base
 
 from optaxclip import _validation
 from optaxclip._attention import heads as _heads
+from optaxclip._attention import layout as _layout
 from optaxclip._attention.heads import AttentionHeads
 from optaxclip._stats import counters, registry
 from optaxclip._types import PyTree, Scalar
@@ -61,82 +63,85 @@ registry.register(QKClipState, "qk_clip", clips=False,
                   extras=lambda state: {"clip_rate": counters.clip_rate(state)})
 
 
-def _check_blocks(fn: str, heads: Any) -> tuple[dict[str, AttentionHeads], bool]:
-  """The blocks by name, and whether one block was given alone."""
-  if isinstance(heads, AttentionHeads):
-    return {"": heads}, True
-  if not isinstance(heads, Mapping) or not heads or not all(
-      isinstance(b, AttentionHeads) for b in heads.values()):
-    raise TypeError(
-        f"`{fn}(heads=...)` must be an AttentionHeads or a non-empty dict of "
-        f"them (one per attention block), got {heads!r:.80}")
-  for name, block in heads.items():
-    for arg in ("head_axis", "rotary_dim"):
-      if not _validation.is_layer_axis(getattr(block, arg)) or getattr(block, arg) is None:
-        raise TypeError(f"`{fn}(heads=...)`: block {name!r} {arg} must be an int, "
-                        f"got {getattr(block, arg)!r}")
-    for arg in ("layer_axis", "kv_heads", "key_dim"):
-      if not _validation.is_layer_axis(getattr(block, arg)):
-        raise TypeError(f"`{fn}(heads=...)`: block {name!r} {arg} must be an int "
-                        f"or None, got {getattr(block, arg)!r}")
-  return {str(k): v for k, v in heads.items()}, False
-
-
-def _logits(fn: str, blocks: dict[str, AttentionHeads], single: bool,
-            max_logits: Any) -> dict[str, jax.Array]:
+def _logits(fn: str, blocks: dict[str | None, AttentionHeads], max_logits: Any
+            ) -> dict[str | None, jax.Array]:
   """``max_logits`` by block name, each checked for its shape."""
   if max_logits is None:
     raise TypeError(
         f"`{fn}`: update needs the step's largest attention logit of every head: "
         f"`update(updates, state, params, max_logits=...)`")
-  given = {"": max_logits} if single else max_logits
-  if not isinstance(given, Mapping) or set(given) != set(blocks):
+  if None in blocks:  # one AttentionHeads: one array
+    if isinstance(max_logits, Mapping):
+      raise TypeError(
+          f"`{fn}`: `update(max_logits=...)` must be one array [heads] when `heads` "
+          f"is one AttentionHeads, got a dict with keys {sorted(map(str, max_logits))}; "
+          f"pass the array, or name the block: heads={{'attn': AttentionHeads(...)}} "
+          f"and max_logits={{'attn': ...}}")
+    given: Mapping[Any, Any] = {None: max_logits}
+  elif not isinstance(max_logits, Mapping) or set(max_logits) != set(blocks):
     raise ValueError(f"`{fn}`: `update(max_logits=...)` must be a dict with the "
-                     f"keys of `heads` ({sorted(blocks)}), got {max_logits!r:.80}")
+                     f"keys of `heads` ({sorted(map(str, blocks))}), got "
+                     f"{max_logits!r:.80}")
+  else:
+    given = max_logits
   found = {}
   for name, block in blocks.items():
     logits = jnp.asarray(given[name])
     rank = 1 if block.layer_axis is None else 2
-    kv = block.kv_heads or (logits.shape[-1] if logits.ndim else 1)
-    if logits.ndim != rank or logits.shape[-1] % kv:
-      want = "[heads]" if rank == 1 else "[layers, heads]"
+    heads = logits.shape[-1] if logits.ndim else 0
+    want = block.num_heads or (heads if heads and not heads % (block.kv_heads or 1) else -1)
+    if logits.ndim != rank or heads != want or not jnp.issubdtype(logits.dtype, jnp.number):
+      shape = "[heads]" if rank == 1 else "[layers, heads]"
+      count = (f" with heads={block.num_heads} (num_heads)" if block.num_heads else
+               f" with heads a multiple of kv_heads={block.kv_heads}" if block.kv_heads
+               else "")
       raise ValueError(
-          f"`{fn}`: `update(max_logits=...)` for block {name!r} must have shape "
-          f"{want} with heads a multiple of kv_heads={block.kv_heads}, got shape "
-          f"{logits.shape}")
+          f"`{fn}`: `update(max_logits=...)` for {_heads.label(name)} must be real "
+          f"numbers of shape {shape}{count}, got shape {logits.shape} ({logits.dtype})")
     found[name] = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
   return found
 
 
-def _plan(fn: str, blocks: dict[str, AttentionHeads], tree: PyTree,
-          logits: dict[str, jax.Array], threshold: Any, alpha: float
-          ) -> tuple[dict[int, jax.Array], dict[str, jax.Array], jax.Array, jax.Array]:
+def _factors(fn: str, blocks: dict[str | None, AttentionHeads], tree: PyTree,
+             heads: dict[str | None, int], tables: dict[str | None, jax.Array] | None
+             ) -> dict[int, Any]:
+  """Each selected leaf's factor by leaf index (its entry codes if
+  ``tables`` is None: the shapes checked, for ``init``)."""
+  shapes = [np.shape(x) for x in jax.tree.leaves(tree)]
+  out = {}
+  for name, parts in _heads.resolve(fn, blocks, tree).items():
+    block, where = blocks[name], _heads.label(name)
+    for part in parts:
+      shape = shapes[part.leaf]
+      kv, layer = block.kv_heads or heads[name], part.layer_axis
+      if tables is not None and layer is not None and shape[layer] != tables[name].shape[0]:
+        raise ValueError(
+            f"`{fn}`: {where} leaf {part.path!r} stacks {shape[layer]} layers on "
+            f"layer_axis, max_logits {tables[name].shape[0]}")
+      pieces = _layout.entry_codes(fn, where, block, part, shape, heads[name], kv)
+      out[part.leaf] = pieces if tables is None else _layout.leaf_factor(
+          tables[name], heads[name] // kv, pieces, part, len(shape))
+  return out
+
+
+def _plan(fn: str, blocks: dict[str | None, AttentionHeads], tree: PyTree,
+          logits: dict[str | None, jax.Array], threshold: Any, alpha: Any
+          ) -> tuple[dict[int, jax.Array], dict[str | None, jax.Array], jax.Array, jax.Array]:
   """Each selected leaf's factor (by leaf index), each block's factor per
   query head, the largest logit and the number of heads clipped."""
-  leaves = jax.tree.leaves(tree)
-  factors, gammas, largest, clipped = {}, {}, [], []
-  for name, parts in _heads.resolve(fn, blocks, tree).items():
-    block, m = blocks[name], logits[name]
+  tables, gammas, largest, clipped = {}, {}, [], []
+  for name, block in blocks.items():
+    m = logits[name]
     kv = block.kv_heads or m.shape[-1]
     group = jnp.max(m.reshape(*m.shape[:-1], kv, -1), axis=-1)
     passed = (group > threshold) & jnp.isfinite(group)  # NaN, Inf: no clip
     gamma = jnp.where(passed, threshold / jnp.where(passed, group, 1), 1).astype(m.dtype)
-    table = _heads.head_factors(gamma, alpha)
-    query_table = jnp.repeat(table, m.shape[-1] // kv, axis=-2)
+    tables[name] = _layout.head_factors(gamma, alpha)
     gammas[name] = jnp.repeat(gamma, m.shape[-1] // kv, axis=-1)
     largest.append(jnp.max(m))
     clipped.append(jnp.sum((m > threshold) & jnp.isfinite(m), dtype=jnp.int32))
-    for part in parts:
-      shape = jnp.shape(leaves[part.leaf])
-      if part.layer_axis is not None and shape[part.layer_axis] != m.shape[0]:
-        raise ValueError(
-            f"`{fn}`: block {name!r} leaf {part.path!r} stacks {shape[part.layer_axis]} "
-            f"layers on layer_axis, max_logits {m.shape[0]}")
-      key = part.role == _heads.KEY
-      count = kv if key else m.shape[-1]
-      code = _heads.codes(fn, name, block, part, shape[part.head_axis], count)
-      factors[part.leaf] = _heads.leaf_factor(table if key else query_table, code,
-                                              part, len(shape))
+  heads = {name: m.shape[-1] for name, m in logits.items()}
+  factors = _factors(fn, blocks, tree, heads, tables)
   return (factors, gammas, jnp.max(jnp.stack(largest)).astype(jnp.float32),
           jnp.sum(jnp.stack(clipped)))
 
@@ -174,10 +179,12 @@ def rescaled_update(p: jax.Array, u: jax.Array, f: jax.Array) -> jax.Array:
 def _check(fn: str, threshold: Any, heads: Any, alpha: Any):
   threshold = _validation.check_positive(fn, "threshold", threshold, traced=math.inf)
   number = _validation.scalar(fn, "alpha", alpha)
-  if _validation.is_traced(number) or not 0 < number < 1:
+  if _validation.is_traced(number):  # optax.inject_hyperparams: only arithmetic
+    return threshold, _heads.check_blocks(fn, heads), _validation.clamp(number, 0, 1)
+  if not 0 < number < 1:
     raise ValueError(f"`{fn}(alpha=...)` must be a number in (0, 1) (the share of "
                      f"the factor the queries take; 0.5 splits it evenly), got {alpha!r}")
-  return threshold, *_check_blocks(fn, heads), float(number)
+  return threshold, _heads.check_blocks(fn, heads), float(number)
 
 
 def qk_clip_fn(params: PyTree, max_logits: Any, threshold: Scalar = 100.0, *,
@@ -214,14 +221,14 @@ def qk_clip_fn(params: PyTree, max_logits: Any, threshold: Scalar = 100.0, *,
            [0.5, 1. ]], dtype=float32), Array([0.25, 1.  ], dtype=float32))
   """
   fn = "qk_clip"
-  threshold, blocks, single, alpha = _check(fn, threshold, heads, alpha)
-  logits = _logits(fn, blocks, single, max_logits)
+  threshold, blocks, alpha = _check(fn, threshold, heads, alpha)
+  logits = _logits(fn, blocks, max_logits)
   factors, gammas, _, _ = _plan(fn, blocks, params, logits, threshold, alpha)
   leaves, treedef = jax.tree.flatten(params)
   wide = [jnp.promote_types(jnp.result_type(x), jnp.float32) for x in leaves]
   out = [(x.astype(w) * factors[i].astype(w)).astype(x.dtype) if i in factors else x
          for i, (x, w) in enumerate(zip(leaves, wide))]
-  return treedef.unflatten(out), gammas[""] if single else gammas
+  return treedef.unflatten(out), gammas[None] if None in blocks else gammas
 
 
 def qk_clip(threshold: Scalar = 100.0, *, heads: Blocks, alpha: float = 0.5
@@ -272,10 +279,13 @@ def qk_clip(threshold: Scalar = 100.0, *, heads: Blocks, alpha: float = 0.5
     2025 (section 2.1, MuonClip).
   """
   fn = "qk_clip"
-  threshold, blocks, single, alpha = _check(fn, threshold, heads, alpha)
+  threshold, blocks, alpha = _check(fn, threshold, heads, alpha)
+  declared = {name: b.num_heads for name, b in blocks.items() if b.num_heads}
 
   def init_fn(params):
     _heads.resolve(fn, blocks, params)  # every block finds its leaves
+    if declared:  # their leaves' shapes can be checked now
+      _factors(fn, {name: blocks[name] for name in declared}, params, declared, None)
     return QKClipState.fresh()
 
   def update_fn(updates, state, params=None, *, max_logits=None, **extra_args):
@@ -283,7 +293,7 @@ def qk_clip(threshold: Scalar = 100.0, *, heads: Blocks, alpha: float = 0.5
     if params is None:
       raise ValueError(f"`{fn}`: {optax_base.NO_PARAMS_MSG}")
     _validation.check_update(fn, updates, state, QKClipState)
-    logits = _logits(fn, blocks, single, max_logits)
+    logits = _logits(fn, blocks, max_logits)
     factors, _, largest, clipped = _plan(fn, blocks, params, logits, threshold, alpha)
     p_leaves = jax.tree.leaves(params)
     u_leaves, treedef = jax.tree.flatten(updates)
