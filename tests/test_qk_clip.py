@@ -329,3 +329,114 @@ def test_small_factors_and_steps_are_exact_in_practice():
 def test_bad_input_is_a_clear_error(call, error, pattern):
   with pytest.raises(error, match=pattern):
     call()
+
+
+# -- Every field of AttentionHeads is checked when the transform is built,
+# for a lone block and a dict of blocks alike (issue 32).
+BAD_FIELDS = [
+    (dict(head_axis=1.5), TypeError, r"head_axis must be an int \(the axis .*got 1.5"),
+    (dict(head_axis="-2"), TypeError, r"head_axis must be an int .*got '-2'"),
+    (dict(head_axis=None), TypeError, r"head_axis must be an int .*got None"),
+    (dict(head_axis=True), TypeError, r"head_axis must be an int .*got True"),
+    (dict(layer_axis="0"), TypeError, r"layer_axis must be an int or None .*got '0'"),
+    (dict(kv_heads="2"), TypeError, r"kv_heads must be an int >= 1 or None .*got '2'"),
+    (dict(kv_heads=2.0), TypeError, r"kv_heads must be an int >= 1 or None .*got 2.0"),
+    (dict(kv_heads=-1), ValueError, r"kv_heads must be an int >= 1 or None .*got -1"),
+    (dict(kv_heads=0), ValueError, r"kv_heads must be an int >= 1 or None .*got 0"),
+    (dict(num_heads=0), ValueError, r"num_heads must be an int >= 1 or None .*got 0"),
+    (dict(num_heads="4"), TypeError, r"num_heads must be an int >= 1 or None .*got '4'"),
+    (dict(num_heads=4, kv_heads=3), ValueError,
+     r": num_heads=4 must be a multiple of kv_heads=3"),
+    (dict(key_dim="1"), TypeError, r"key_dim must be an int >= 1 or None .*got '1'"),
+    (dict(key_dim=0), ValueError, r"key_dim must be an int >= 1 or None .*got 0"),
+    (dict(rotary_dim=-1), ValueError, r"rotary_dim must be an int >= 0 \(.*got -1"),
+    (dict(rotary_dim=None), TypeError, r"rotary_dim must be an int >= 0 \(.*got None"),
+    (dict(qkv_axis="0"), TypeError, r"qkv_axis must be an int or None .*got '0'"),
+    (dict(query=5), TypeError, r"query must be a leaf path such as .*got 5"),
+    (dict(key=[["k"]]), TypeError, r"key must be a leaf path .*got \[\['k'\]\]"),
+    (dict(query=()), ValueError, r" declares no query leaves: give query= and key="),
+    (dict(qkv="attn/value"), ValueError,
+     r"qkv_layout must be 'megatron' \(per key head: .*got None"),
+    (dict(qkv_layout="megatron"), ValueError,
+     r"qkv_layout='megatron' describes qkv leaves, but qkv selects none"),
+    (dict(qkv="attn/value", qkv_layout="megatron", qkv_axis=-3), ValueError,
+     r"qkv_axis=-3 separates query, key and value .* qkv_layout='concat'"),
+    (dict(qkv="attn/value", qkv_layout="concat", qkv_axis=-3, num_heads=4, kv_heads=2),
+     ValueError, r"holds as many key heads as query heads, got kv_heads=2"),
+    (dict(qkv="attn/value", qkv_layout="megatron", rotary_dim=1), ValueError,
+     r"qkv leaves hold no rotary or latent parts"),
+]
+
+
+@pytest.mark.parametrize("form", ["lone", "dict"])
+@pytest.mark.parametrize("fields,error,pattern", BAD_FIELDS,
+                         ids=[str(row[0]) for row in BAD_FIELDS])
+def test_every_bad_field_is_refused_in_both_forms(form, fields, error, pattern):
+  block = MHA_HEADS._replace(**fields)
+  heads, where = ((block, r"AttentionHeads") if form == "lone"
+                  else ({"a": MHA_HEADS, "b": block}, r"heads\['b'\]"))
+  for build in (lambda: oc.qk_clip(100.0, heads=heads),
+                lambda: F.qk_clip(MHA, MHA_LOGITS, heads=heads)):
+    with pytest.raises(error, match=r"`qk_clip\(heads=\.\.\.\)`: " + where + ".*"
+                       + pattern.lstrip(": ")):
+      build()
+
+
+def test_a_dict_of_logits_for_a_lone_block_says_what_to_pass():
+  with pytest.raises(TypeError, match=r"`update\(max_logits=\.\.\.\)` must be one array "
+                     r"\[heads\] when `heads` is one AttentionHeads, got a dict with keys "
+                     r"\['attn'\]; pass the array, or name the block"):
+    F.qk_clip(MHA, {"attn": MHA_LOGITS}, heads=MHA_HEADS)
+
+
+# -- The number of heads: declared (num_heads), or one entry per head.
+def test_fewer_logits_than_heads_is_an_error_not_a_rescale_in_pairs():
+  # A 4-head flax kernel and 2 logits: was factors [0.5, 0.5, 1, 1], silently.
+  with pytest.raises(ValueError, match=r"leaf 'attn/query/bias' has 4 entries along its "
+                     r"head axis \(0\), but max_logits has 2 heads \(2 query heads\)\. .*"
+                     r"AttentionHeads\(\.\.\., num_heads=2\)"):
+    F.qk_clip(MHA, np.array([400.0, 1.0], np.float32), heads=MHA_HEADS)
+  declared = oc.qk_clip(100.0, heads=MHA_HEADS._replace(num_heads=4))
+  with pytest.raises(ValueError, match=r"`update\(max_logits=\.\.\.\)` for AttentionHeads "
+                     r"must be real numbers of shape \[heads\] with heads=4 \(num_heads\), "
+                     r"got shape \(2,\)"):
+    declared.update(GRADS, declared.init(MHA), MHA, max_logits=np.ones(2, np.float32))
+
+
+def test_declared_heads_check_every_leaf_at_init():
+  # head_dim 3 per head of a fused [heads * head_dim, in] weight: 12 rows, 4 heads.
+  params = {"q": rand(12, 5), "k": rand(10, 5)}
+  tx = oc.qk_clip(heads={"b": oc.AttentionHeads("q", "k", head_axis=0, num_heads=4)})
+  with pytest.raises(ValueError, match=r"heads\['b'\] leaf 'k' has 10 entries along its "
+                     r"head axis \(0\), not a multiple of its 4 key heads"):
+    tx.init(params)
+
+
+# -- optax.inject_hyperparams: alpha (injected, 0.5 by default) is traced.
+INJECTED = optax.inject_hyperparams(oc.qk_clip)(threshold=100.0, heads=MHA_HEADS)
+
+
+@jax.jit
+def injected_step(state, alpha):
+  state.hyperparams["alpha"] = alpha
+  return INJECTED.update(GRADS, state, MHA, max_logits=MHA_LOGITS)[0]
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.25, 2.0, np.nan])
+def test_injected_alpha_is_traced_under_jit(alpha):
+  updates = injected_step(INJECTED.init(MHA), np.float32(alpha))
+  clipped = 0.0 if np.isnan(alpha) else min(alpha, 1.0)  # clamped to [0, 1], NaN to 0
+  if alpha == 0.5:  # the default: the plain transform's update, bit for bit
+    jax.tree.map(assert_bits, updates, clip_alone(GRADS, MHA, MHA_LOGITS))
+  want, got = (jax.tree.map(np.add, MHA, u) for u in (GRADS, updates))
+  g = gamma(MHA_LOGITS)
+  for side, power in (("query", clipped), ("key", 1 - clipped)):
+    np.testing.assert_allclose(got["attn"][side]["kernel"],
+                               scale(want["attn"][side]["kernel"], g ** power, 1),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_a_concrete_bad_alpha_is_refused_at_init():
+  tx = optax.inject_hyperparams(oc.qk_clip)(threshold=100.0, heads=MHA_HEADS, alpha=1.5)
+  with pytest.raises(ValueError, match=r"`qk_clip\(alpha=\.\.\.\)` must be a number in"):
+    tx.init(MHA)

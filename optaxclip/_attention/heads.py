@@ -11,7 +11,7 @@ entry belongs to which head).
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, TypeGuard
 
 import jax
 import numpy as np
@@ -101,7 +101,7 @@ def path_of(keys: tuple[Any, ...]) -> str:
   return jax.tree_util.keystr(keys, simple=True, separator="/")
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
   return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
