@@ -440,3 +440,152 @@ def test_a_concrete_bad_alpha_is_refused_at_init():
   tx = optax.inject_hyperparams(oc.qk_clip)(threshold=100.0, heads=MHA_HEADS, alpha=1.5)
   with pytest.raises(ValueError, match=r"`qk_clip\(alpha=\.\.\.\)` must be a number in"):
     tx.init(MHA)
+
+
+# -- Fused QKV leaves, against references written from Megatron-LM's code:
+# `SelfAttention.get_query_key_value_tensors` views `linear_qkv`'s output as
+# [ng, (np/ng + 2) * hn]: per key-value group its np/ng query heads, its key
+# head, its value head; `clip_qk` takes each group's largest logit,
+# eta = clamp(tau / max, max=1), and multiplies the group's query rows by
+# eta ** alpha and its key rows by eta ** (1 - alpha) (values untouched).
+@functools.cache
+def clip_for(heads, alpha=0.5):
+  """``jit_clip``, compiled once per configuration for the whole module."""
+  return jit_clip(heads, alpha)
+
+
+def megatron_fuse(q, k, v, kv):
+  """Megatron's fused rows from separate ``[..., rows, in]`` weights (or
+  ``[..., rows]`` biases): per group, its query rows, key rows, value rows."""
+  bias = q.ndim == k.ndim == 2 and q.shape[0] == LAYERS and q.shape[-1] != IN
+  q, k, v = (x[..., None] if bias else x for x in (q, k, v))
+  lead = q.shape[:-2]
+  groups = [x.reshape(*lead, kv, -1, x.shape[-1]) for x in (q, k, v)]
+  out = np.concatenate(groups, axis=-2).reshape(*lead, -1, q.shape[-1])
+  return out[..., 0] if bias else out
+
+
+def megatron_clip_qk(weight, logits, heads, kv, alpha, tau=TAU):
+  """Megatron-LM's ``clip_qk`` on one layer's ``linear_qkv`` rows, in
+  float32 (``sqrt`` for alpha = 1/2, the report's factor)."""
+  eta = gamma(logits.reshape(kv, heads // kv).max(-1), tau)  # clamp(tau / max, max=1)
+  up = np.sqrt(eta) if alpha == 0.5 else eta ** np.float32(alpha)
+  down = np.sqrt(eta) if alpha == 0.5 else eta ** np.float32(1 - alpha)
+  rows = weight.reshape(kv, heads // kv + 2, -1, *weight.shape[1:]).copy()
+  rows[:, :-2] *= up.reshape(kv, 1, 1, *[1] * (weight.ndim - 1))
+  rows[:, -2] *= down.reshape(kv, 1, *[1] * (weight.ndim - 1))
+  return rows.reshape(weight.shape)
+
+
+LAYERS, NP, NG, HN, IN = 2, 4, 2, 3, 5  # layers, heads, groups, head size, hidden
+SEPARATE = {name: {"weight": rand(LAYERS, n * HN, IN), "bias": rand(LAYERS, n * HN)}
+            for name, n in (("q", NP), ("k", NG), ("v", NG))}
+FUSED = {"linear_qkv": {part: megatron_fuse(*(SEPARATE[x][part] for x in "qkv"), NG)
+                        for part in ("weight", "bias")}}
+QKV_LOGITS = np.array([[120.0, 400.0, 10.0, 20.0], [99.0, 100.0, 3e3, 101.0]], np.float32)
+SEPARATE_HEADS = oc.AttentionHeads(query="q", key="k", head_axis=1, layer_axis=0,
+                                   num_heads=NP, kv_heads=NG)
+FUSED_HEADS = oc.AttentionHeads(qkv="linear_qkv", qkv_layout="megatron", head_axis=1,
+                                layer_axis=0, num_heads=NP, kv_heads=NG)
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.3])
+def test_megatron_fused_qkv_equals_separate_leaves_bit_for_bit(alpha):
+  separate, g_separate = clip_for(SEPARATE_HEADS, alpha)(SEPARATE, QKV_LOGITS)
+  fused, g_fused = clip_for(FUSED_HEADS, alpha)(FUSED, QKV_LOGITS)
+  for part in ("weight", "bias"):
+    want = megatron_fuse(*(np.asarray(separate[x][part]) for x in "qkv"), NG)
+    assert_bits(fused["linear_qkv"][part], want)
+  assert_bits(g_fused, g_separate)
+  assert_bits(separate["v"]["weight"], SEPARATE["v"]["weight"])  # values untouched
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.3])
+def test_megatron_fused_qkv_matches_megatrons_clip_qk(alpha):
+  fused, _ = clip_for(FUSED_HEADS, alpha)(FUSED, QKV_LOGITS)
+  for layer in range(LAYERS):
+    for part in ("weight", "bias"):
+      want = megatron_clip_qk(FUSED["linear_qkv"][part][layer], QKV_LOGITS[layer], NP, NG,
+                              alpha)
+      got = np.asarray(fused["linear_qkv"][part][layer])
+      if alpha == 0.5:
+        assert_bits(got, want)
+      else:  # XLA's pow and numpy's: within an ulp or two
+        np.testing.assert_allclose(got, want, rtol=3e-7)
+
+
+def test_flax_kernel_with_a_qkv_axis_equals_separate_leaves():
+  # [in, 3, heads, head_dim] and biases [3, heads, head_dim], one entry per head.
+  attn = MHA["attn"]
+  fused = {"qkv": {"kernel": np.stack([attn[x]["kernel"] for x in ("query", "key", "value")],
+                                      axis=1),
+                   "bias": np.stack([attn["query"]["bias"], attn["key"]["bias"], rand(4, 3)])}}
+  heads = oc.AttentionHeads(qkv="qkv", qkv_layout="concat", qkv_axis=-3, head_axis=-2)
+  out, g = clip_for(heads)(fused, MHA_LOGITS)
+  want, g_want = MHA_CLIP(MHA, MHA_LOGITS)
+  for i, side in enumerate(("query", "key")):
+    assert_bits(out["qkv"]["kernel"][:, i], want["attn"][side]["kernel"])
+    assert_bits(out["qkv"]["bias"][i], want["attn"][side]["bias"])
+  assert_bits(out["qkv"]["kernel"][:, 2], attn["value"]["kernel"])
+  assert_bits(out["qkv"]["bias"][2], fused["qkv"]["bias"][2])
+  assert_bits(g, g_want)
+
+
+def test_concatenated_gqa_kernel_equals_separate_leaves():
+  # [in, (heads + 2 * kv_heads) * head_dim]: every query head, every key, every value.
+  q, k, v = (SEPARATE[x]["weight"][0].T for x in "qkv")  # [in, rows]
+  separate = oc.AttentionHeads(query="q", key="k", head_axis=-1, num_heads=NP, kv_heads=NG)
+  fused = separate._replace(query=(), key=(), qkv="qkv", qkv_layout="concat")
+  out, _ = clip_for(separate)({"q": q, "k": k}, QKV_LOGITS[1])
+  got, _ = clip_for(fused)({"qkv": np.concatenate([q, k, v], -1)}, QKV_LOGITS[1])
+  assert_bits(got["qkv"], np.concatenate([out["q"], out["k"], v], -1))
+
+
+def test_fused_qkv_through_the_transform_lands_on_the_rescaled_weights():
+  tx = optax.chain(optax.sgd(0.01), oc.qk_clip(100.0, heads=FUSED_HEADS))
+  grads = jax.tree.map(lambda x: rand(*x.shape), FUSED)
+  logits = np.array([[130.0, 99.0, 100.0, 110.0], [1.0, 2.0, 3.0, 150.0]], np.float32)
+  updates = jax.jit(lambda p, g, m: tx.update(g, tx.init(p), p, max_logits=m)[0])(
+      FUSED, grads, logits)
+  plain = jax.tree.map(lambda p, g: p + np.float32(-0.01) * g, FUSED, grads)
+  assert_lands(FUSED, updates, clip_for(FUSED_HEADS)(plain, logits)[0])
+
+
+def test_fused_qkv_sharded_by_group_equals_unsharded():
+  # Tensor parallelism as Megatron's: each device holds whole key-value groups.
+  heads, kv, hn = 16, 8, 2
+  qkv = {"w": rand((heads + 2 * kv) * hn, 3)}
+  logits = np.linspace(50.0, 400.0, heads).astype(np.float32)
+  block = oc.AttentionHeads(qkv="w", qkv_layout="megatron", head_axis=0,
+                            num_heads=heads, kv_heads=kv)
+  mesh = make_mesh((8,), ("h",))
+  sharded, _ = clip_for(block)(shard(qkv, mesh, {"w": P("h", None)}),
+                               shard(logits, mesh, P("h")))
+  want = megatron_clip_qk(qkv["w"], logits, heads, kv, 0.5)
+  assert_bits(sharded["w"], want)
+
+
+@pytest.mark.parametrize("fields,params,pattern", [
+    (dict(num_heads=None), {"linear_qkv": FUSED["linear_qkv"]["weight"]},
+     r"has 24 entries along its head axis \(1\), but max_logits has 4 heads \(8 query, "
+     r"key and value heads \(4 \+ 2 x 2\)\)\. .*num_heads=4"),
+    (dict(num_heads=5, kv_heads=None), {"linear_qkv": FUSED["linear_qkv"]["weight"]},
+     r"has 24 entries along its head axis \(1\), not a multiple of its 15 query, key and "
+     r"value heads \(5 \+ 2 x 5\)"),
+    (dict(qkv_layout="concat", qkv_axis=0, kv_heads=None, layer_axis=None),
+     {"linear_qkv": FUSED["linear_qkv"]["weight"]},
+     r"leaf 'linear_qkv' has 2 entries along qkv_axis \(0\) and 4 key heads for 4 heads; "
+     r"a kernel \[in, 3, heads, head_dim\] needs 3"),
+])
+def test_fused_qkv_shapes_are_checked(fields, params, pattern):
+  tx = oc.qk_clip(100.0, heads=FUSED_HEADS._replace(**fields))
+  with pytest.raises(ValueError, match=pattern):
+    tx.update(params, tx.init(params), params, max_logits=QKV_LOGITS if fields.get(
+        "layer_axis", 0) == 0 else QKV_LOGITS[0])
+
+
+def test_a_leaf_is_fused_or_separate_not_both():
+  heads = FUSED_HEADS._replace(query="linear_qkv")
+  with pytest.raises(ValueError, match=r"leaf 'linear_qkv/bias' is selected twice "
+                     r"\(AttentionHeads.query and AttentionHeads.qkv\)"):
+    oc.qk_clip(100.0, heads=heads).init(FUSED)
