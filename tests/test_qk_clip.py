@@ -578,10 +578,11 @@ def test_fused_qkv_sharded_by_group_equals_unsharded():
      r"a kernel \[in, 3, heads, head_dim\] needs 3"),
 ])
 def test_fused_qkv_shapes_are_checked(fields, params, pattern):
-  tx = oc.qk_clip(100.0, heads=FUSED_HEADS._replace(**fields))
-  with pytest.raises(ValueError, match=pattern):
-    tx.update(params, tx.init(params), params, max_logits=QKV_LOGITS if fields.get(
-        "layer_axis", 0) == 0 else QKV_LOGITS[0])
+  heads = FUSED_HEADS._replace(**fields)
+  logits = QKV_LOGITS if heads.layer_axis == 0 else QKV_LOGITS[0]
+  with pytest.raises(ValueError, match=pattern):  # at init where num_heads is declared
+    oc.qk_clip(100.0, heads=heads).init(params)
+    jax.eval_shape(functools.partial(F.qk_clip, heads=heads), params, logits)
 
 
 def test_a_leaf_is_fused_or_separate_not_both():
