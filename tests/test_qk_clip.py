@@ -10,6 +10,7 @@ Reference (K2 report, section 2.1): for head ``h`` with largest logit
 import functools
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import optax
@@ -20,6 +21,8 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import optaxclip as oc
+from optaxclip._attention import heads as heads_module
+from optaxclip._attention import layout
 from optaxclip._attention.qk_clip import rescaled_update
 
 F = oc.functional
@@ -455,14 +458,12 @@ def clip_for(heads, alpha=0.5):
 
 
 def megatron_fuse(q, k, v, kv):
-  """Megatron's fused rows from separate ``[..., rows, in]`` weights (or
-  ``[..., rows]`` biases): per group, its query rows, key rows, value rows."""
-  bias = q.ndim == k.ndim == 2 and q.shape[0] == LAYERS and q.shape[-1] != IN
-  q, k, v = (x[..., None] if bias else x for x in (q, k, v))
-  lead = q.shape[:-2]
-  groups = [x.reshape(*lead, kv, -1, x.shape[-1]) for x in (q, k, v)]
-  out = np.concatenate(groups, axis=-2).reshape(*lead, -1, q.shape[-1])
-  return out[..., 0] if bias else out
+  """Megatron's fused rows (axis 1) from separate weights ``[layers, rows,
+  in]`` or biases ``[layers, rows]``: per group its query, key, value rows."""
+  groups = [np.moveaxis(x, 1, -1).reshape(*x.shape[:1], *x.shape[2:], kv, -1)
+            for x in (q, k, v)]
+  fused = np.concatenate(groups, axis=-1)
+  return np.moveaxis(fused.reshape(*fused.shape[:-2], -1), -1, 1)
 
 
 def megatron_clip_qk(weight, logits, heads, kv, alpha, tau=TAU):
@@ -480,7 +481,8 @@ def megatron_clip_qk(weight, logits, heads, kv, alpha, tau=TAU):
 LAYERS, NP, NG, HN, IN = 2, 4, 2, 3, 5  # layers, heads, groups, head size, hidden
 SEPARATE = {name: {"weight": rand(LAYERS, n * HN, IN), "bias": rand(LAYERS, n * HN)}
             for name, n in (("q", NP), ("k", NG), ("v", NG))}
-FUSED = {"linear_qkv": {part: megatron_fuse(*(SEPARATE[x][part] for x in "qkv"), NG)
+FUSED = {"linear_qkv": {part: megatron_fuse(SEPARATE["q"][part], SEPARATE["k"][part],
+                                             SEPARATE["v"][part], NG)
                         for part in ("weight", "bias")}}
 QKV_LOGITS = np.array([[120.0, 400.0, 10.0, 20.0], [99.0, 100.0, 3e3, 101.0]], np.float32)
 SEPARATE_HEADS = oc.AttentionHeads(query="q", key="k", head_axis=1, layer_axis=0,
@@ -494,7 +496,8 @@ def test_megatron_fused_qkv_equals_separate_leaves_bit_for_bit(alpha):
   separate, g_separate = clip_for(SEPARATE_HEADS, alpha)(SEPARATE, QKV_LOGITS)
   fused, g_fused = clip_for(FUSED_HEADS, alpha)(FUSED, QKV_LOGITS)
   for part in ("weight", "bias"):
-    want = megatron_fuse(*(np.asarray(separate[x][part]) for x in "qkv"), NG)
+    want = megatron_fuse(np.asarray(separate["q"][part]), np.asarray(separate["k"][part]),
+                         SEPARATE["v"][part], NG)
     assert_bits(fused["linear_qkv"][part], want)
   assert_bits(g_fused, g_separate)
   assert_bits(separate["v"]["weight"], SEPARATE["v"]["weight"])  # values untouched
@@ -590,3 +593,18 @@ def test_a_leaf_is_fused_or_separate_not_both():
   with pytest.raises(ValueError, match=r"leaf 'linear_qkv/bias' is selected twice "
                      r"\(AttentionHeads.query and AttentionHeads.qkv\)"):
     oc.qk_clip(100.0, heads=heads).init(FUSED)
+
+
+def test_entry_factors_follow_the_leaf_axes_in_any_order():
+  # A kernel [heads, in, 3, layers]: head axis before the qkv and layer axes.
+  block = oc.AttentionHeads(qkv="w", qkv_layout="concat", qkv_axis=2, head_axis=0,
+                            layer_axis=-1, num_heads=2)
+  part = heads_module.Part(0, "w", heads_module.QKV, 0, 3, 2)
+  table = jnp.arange(2 * 2 * 4, dtype=jnp.float32).reshape(2, 2, 4)  # [layers, kv, code]
+  pieces = layout.entry_codes("qk_clip", "AttentionHeads", block, part, (4, 5, 3, 2), 2, 2)
+  got = np.asarray(layout.leaf_factor(table, 1, pieces, part, 4))
+  assert got.shape == (4, 1, 3, 2)  # 2 heads of 2 entries; q, k, v; 2 layers
+  codes = (layout.Q, layout.K, layout.ONE)
+  want = np.array([[[table[layer, entry // 2, codes[part_]] for layer in range(2)]
+                    for part_ in range(3)] for entry in range(4)])
+  np.testing.assert_array_equal(got[:, 0], want)

@@ -9,6 +9,8 @@ weights by ``gamma_h ** (1 - alpha)`` (the report's ``sqrt(gamma_h)`` each,
 threshold. MLA's rotary query takes all of ``gamma_h`` and the shared rotary
 key none. With grouped-query attention (as Megatron-LM) a group's query
 heads and their shared key head take the factor of the group's largest logit.
+Fused QKV leaves (Megatron-LM's ``linear_qkv``) take on their query and key
+entries the factors separate leaves take (``layout.py``), values none.
 
 The transform returns updates ``u'`` such that ``params + u'`` is the
 rescaled ``params + u``: ``u' = t - p``, rounded to the update's dtype (or
@@ -253,6 +255,7 @@ def qk_clip(threshold: Scalar = 100.0, *, heads: Blocks, alpha: float = 0.5
       dict of them by block name (then ``max_logits`` is a dict).
     alpha: the queries' share of the factor (Megatron-LM's
       ``--qk-clip-alpha``; the report's 0.5 is ``sqrt(gamma)`` each side).
+      Traced (``optax.inject_hyperparams``), clamped to [0, 1].
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; its state, a
