@@ -233,8 +233,7 @@ def resolve(fn: str, blocks: Mapping[str | None, AttentionHeads], tree: PyTree
     parts = []
     for role in (QUERY, KEY, ROTARY, QKV):
       selector = getattr(block, role)
-      if role in (ROTARY, QKV) and not selector or role in (QUERY, KEY) and block.qkv \
-          and not selector:
+      if not selector:  # none declared (check() made sure queries and keys are)
         continue
       hits = [(i, path_of(keys), leaf) for i, (keys, leaf) in enumerate(with_paths)
               if _selects(selector, path_of(keys))]
