@@ -190,7 +190,7 @@ def _check(fn: str, threshold: Any, heads: Any, alpha: Any):
 
 
 def qk_clip_fn(params: PyTree, max_logits: Any, threshold: Scalar = 100.0, *,
-               heads: Blocks, alpha: float = 0.5) -> tuple[PyTree, Any]:
+               heads: Blocks, alpha: Scalar = 0.5) -> tuple[PyTree, Any]:
   """Rescales the query and key weights of every head whose logit passed ``threshold``.
 
   The functional form of ``qk_clip``, for weights already updated: each
@@ -233,7 +233,7 @@ def qk_clip_fn(params: PyTree, max_logits: Any, threshold: Scalar = 100.0, *,
   return treedef.unflatten(out), gammas[None] if None in blocks else gammas
 
 
-def qk_clip(threshold: Scalar = 100.0, *, heads: Blocks, alpha: float = 0.5
+def qk_clip(threshold: Scalar = 100.0, *, heads: Blocks, alpha: Scalar = 0.5
             ) -> optax.GradientTransformationExtraArgs:
   """QK-Clip (Kimi K2's MuonClip): keeps attention logits at most ``threshold``.
 
