@@ -25,26 +25,60 @@ from jax import lax
 
 from optaxclip import _tree
 from optaxclip._core import _exact
-from optaxclip._core._mesh import Where, _leaf_specs, reduction
-from optaxclip._core._norms import norm_of_leaves
+from optaxclip._core._kept import PER_LEAF, Kept
+from optaxclip._core._mesh import Keep, Where, _leaf_specs, reduction, whole_shapes
+from optaxclip._core._norms import kernel, norm_of_leaves
 
 # Above this order, powers of values in [0.5, 1) may leave the normal range:
 # the scaled norms are divided by their largest first (one more rounding).
 _SCALED_ORDER_LIMIT = 64
 
 
-def leaf_norms(fn: str, tree, p, where: Where) -> list[jax.Array]:
-  """The ``p``-norm of each clippable leaf of ``tree``, each measured alone
-  (with ``where``'s axes: over every device of the stage, one all-reduce
-  per leaf; XLA may combine independent ones)."""
+def leaf_norms(fn: str, tree, p, where: Where, kept: Kept = PER_LEAF
+               ) -> tuple[list[jax.Array], tuple[Keep, ...]]:
+  """Per clippable leaf of ``tree``, the ``p``-norm of each of its units
+  (``kept``: a leaf, or each layer / expert slice), a vector in C order of
+  its kept axes, each unit measured alone (with ``where``'s axes: over every
+  device of the stage, one all-reduce per whole leaf or per unit; XLA may
+  combine independent ones); and per leaf its kept axes."""
   reduction(fn, tree, where)  # checks the specs once, naming the tree's paths
   leaves = jax.tree.leaves(tree)
   specs = ([None] * len(leaves) if where.specs is None
            else _leaf_specs(fn, tree, where.specs))
-  return [norm_of_leaves([x], p, reduction(
-      fn, [x], Where(where.axis_names, None if spec is None else [spec])))
-          for x, spec in zip(map(_tree.as_array, leaves), specs)
-          if _tree.is_clippable(x)]
+  clippable = [(x, spec) for x, spec in zip(map(_tree.as_array, leaves), specs)
+               if _tree.is_clippable(x)]
+  keep = kept.axes(fn, tree, whole_shapes(fn, tree, where)) or (
+      ((),) * len(clippable))
+  paths = [path for path, _ in _tree.clippable_leaves_with_paths(tree)]
+  norms = []
+  for (x, spec), axes, path in zip(clippable, keep, paths):
+    leaf_where = Where(where.axis_names, None if spec is None else [spec])
+    red = reduction(fn, [x], leaf_where, [axes])
+    if red.split_kept_axes is not None:
+      raise ValueError(
+          f"`{fn}(specs=...)` splits leaf {path} over the mesh along an axis "
+          f"its norms keep (layer_axis or expert_axis {axes}): measure each "
+          f"device's slice as a stage of its own, or gather it first")
+    red = reduction(fn, [x], leaf_where)
+    if not axes:  # a whole leaf: its norm alone, as global_norm of it
+      norms.append(norm_of_leaves([x], p, red)[None])
+      continue
+    units = jnp.moveaxis(x, axes, range(len(axes)))
+    units = units.reshape((-1,) + units.shape[len(axes):])
+    norms.append(_each_alone(units, p, red, kernel()))
+  return norms, keep
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _each_alone(units: jax.Array, p, red, choice: str) -> jax.Array:
+  """The norm of each ``units[i]``, one at a time in a loop whose body is the
+  same program for every count of units (``choice``: the kernel, read when
+  it was traced): a unit's bits never depend on the other units beside it,
+  as the one-program norm's, which takes one rescue decision for a group,
+  would."""
+  del choice
+  acc = _tree.accumulation_dtype([units])
+  return lax.map(lambda unit: norm_of_leaves([unit], p, red).astype(acc), units)
 
 
 def _fixed_sum(terms: jax.Array) -> jax.Array:
