@@ -195,3 +195,99 @@ def test_bad_arguments():
     F.partial_norm([jnp.ones(2)], prefix=1)
   with pytest.raises(ValueError, match=r"partial_norm\(specs.*axis_name"):
     F.partial_norm([jnp.ones(2)], specs=P())
+
+
+# Per-layer and per-expert norms across stages. A model with a scanned stack
+# of 4 layers (two leaves stacked on axis 0, one of them a mixture of 3
+# experts on axis 1), a mixture of experts outside the stack, and leaves
+# that are whole; layer 2 of the stack is huge (its squares overflow
+# float32), layer 1 tiny (its squares underflow).
+N_LAYERS = 4
+LAYER = {"stack_w": 0, "stack_moe": 0}
+EXPERT = {"stack_moe": 1, "experts": 0}
+
+
+def _model() -> dict[str, jax.Array]:
+  rng = np.random.default_rng(2)
+  def leaf(shape):
+    return rng.normal(size=shape)
+  w = leaf((N_LAYERS, 4, 5))
+  w[2] *= 1e20
+  w[1] *= 1e-25
+  return {"embed": jnp.asarray(leaf((8, 4)), jnp.float32),
+          "stack_w": jnp.asarray(w, jnp.float32),
+          "stack_moe": jnp.asarray(leaf((N_LAYERS, 3, 4, 2)), jnp.bfloat16),
+          "experts": jnp.asarray(leaf((3, 4, 2)), jnp.float16),
+          "head": jnp.asarray(leaf((4, 6)), jnp.float32),
+          "step": jnp.arange(2)}  # an integer leaf: left out
+
+
+MODEL = _model()
+WHOLE_KEYS = sorted(k for k in MODEL if k not in LAYER)
+
+
+def _axes(table):
+  """A layer_axis / expert_axis for any stage (a part of MODEL)."""
+  return lambda tree: {k: table.get(k) for k in tree}
+
+
+def _stage_partial(stage, ord, start):
+  return F.partial_norm(stage, ord, layer_axis=_axes(LAYER),
+                        expert_axis=_axes(EXPERT), layers=start)
+
+
+def _split(cuts, labels):
+  """Stages: the stack cut at ``cuts`` (stage i holds layers cuts[i] to
+  cuts[i + 1]), each whole leaf in the stage ``labels`` gives it; with the
+  global index of each stage's first layer."""
+  stages = []
+  for i in range(len(cuts) - 1):
+    a, b = cuts[i], cuts[i + 1]
+    stage = {k: MODEL[k][a:b] for k in LAYER if b > a}
+    stage.update({k: MODEL[k] for k, s in zip(WHOLE_KEYS, labels) if s == i})
+    stages.append((stage, a))
+  return stages
+
+
+def _partials(cuts, labels, ord):
+  return [_stage_partial(stage, ord, a) for stage, a in _split(cuts, labels)]
+
+
+_ONE_STAGE: dict[float, oc.functional.CombinedNorms] = {}
+
+
+def _one_stage(ord) -> oc.functional.CombinedNorms:
+  """The whole model as one stage, combined: what every split must give."""
+  if ord not in _ONE_STAGE:
+    _ONE_STAGE[ord] = F.combine_leaf_norms(
+        _partials([0, N_LAYERS], [0] * len(WHOLE_KEYS), ord))
+  return _ONE_STAGE[ord]
+
+
+def _same_bits(got, want):
+  for name in ("total",):
+    assert _bits(getattr(got, name)) == _bits(getattr(want, name))
+  assert got.leaves.keys() == want.leaves.keys()
+  assert got.units.keys() == want.units.keys()
+  for path in want.leaves:
+    assert _bits(got.leaves[path]) == _bits(want.leaves[path]), path
+  for path in want.units:
+    np.testing.assert_array_equal(
+        np.asarray(got.units[path], np.float32).view(np.int32),
+        np.asarray(want.units[path], np.float32).view(np.int32), path)
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.integers(1, 4).flatmap(lambda n: st.tuples(
+    st.lists(st.integers(0, N_LAYERS), min_size=n - 1, max_size=n - 1),
+    st.lists(st.integers(0, n - 1), min_size=len(WHOLE_KEYS),
+             max_size=len(WHOLE_KEYS)),
+    st.permutations(range(n)))), st.sampled_from([2.0, math.inf]))
+def test_layers_and_experts_any_split_any_order(split, ord):
+  inner, labels, arrival = split
+  cuts = [0, *sorted(inner), N_LAYERS]  # empty slices too: a stage of no layers
+  partials = _partials(cuts, labels, ord)
+  partials = [partials[i] for i in arrival]
+  got = F.combine_leaf_norms(partials)
+  _same_bits(got, _one_stage(ord))
+  assert _bits(F.combine_norms(partials)) == _bits(got.total)

@@ -145,7 +145,8 @@ def partial_norm(tree: PyTree, ord: Ord = 2, *, prefix: str = "",
                                  _core.experts(expert_axis, layer_axis))
   with_paths = _tree.clippable_leaves_with_paths(tree)
   shapes = [tuple(x.shape) for _, x in with_paths]
-  layer_keep = _core.layers(layer_axis).axes(fn, tree, shapes)
+  layer_keep = (None if layer_axis is None else
+                _core.layers(layer_axis).axes(fn, tree, shapes))
   units = stage_units.describe_units(fn, tree, keep, layer_keep, layers)
   return PartialNorm(jnp.concatenate(norms) if norms else jnp.zeros([0]),
                      tuple(prefix + path for path, _ in with_paths), p, units)

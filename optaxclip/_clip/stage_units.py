@@ -63,10 +63,10 @@ def _is_layers(x: Any) -> bool:
 
 
 def describe_units(fn: str, tree: PyTree, keep: Sequence[tuple[int, ...]],
-                   layer_keep: Sequence[tuple[int, ...]], layers: Any
+                   layer_keep: Sequence[tuple[int, ...]] | None, layers: Any
                    ) -> tuple[Units, ...]:
   """Per clippable leaf of ``tree``, its ``Units``: ``keep`` its kept axes,
-  ``layer_keep`` its layer axis (or ``()``), ``layers`` (a tree prefix of
+  ``layer_keep`` its layer axis (or ``()``; None: no ``layer_axis``), ``layers`` (a tree prefix of
   None, an int or a ``range``) the global index of its slice's layers."""
   given = _tree.broadcast_prefix(
       fn, "layers", layers, tree, is_value=_is_layers,
@@ -76,10 +76,11 @@ def describe_units(fn: str, tree: PyTree, keep: Sequence[tuple[int, ...]],
   leaves = [(path, x) for path, x in _with_paths(tree)]
   given = [g for (_, x), g in zip(leaves, given) if _tree.is_clippable(x)]
   leaves = [(path, x) for path, x in leaves if _tree.is_clippable(x)]
-  if layers is not None and not any(layer_keep):
+  if layers is not None and layer_keep is None:
     raise ValueError(
         f"`{fn}(layers={layers!r:.60})` needs `layer_axis=`: the axis of the "
         f"stage's stacked leaves whose slices `layers` numbers")
+  layer_keep = layer_keep or ((),) * len(leaves)
   out = []
   for (path, x), axes, layer, start in zip(leaves, keep, layer_keep, given):
     shape = tuple(int(np.shape(x)[a]) for a in axes)

@@ -26,8 +26,16 @@ from jax import lax
 from optaxclip import _tree
 from optaxclip._core import _exact
 from optaxclip._core._kept import PER_LEAF, Kept
-from optaxclip._core._mesh import Keep, Where, _leaf_specs, reduction, whole_shapes
-from optaxclip._core._norms import kernel, norm_of_leaves
+from optaxclip._core._mesh import (
+  LOCAL,
+  Keep,
+  Reduction,
+  Where,
+  _leaf_specs,
+  reduction,
+  whole_shapes,
+)
+from optaxclip._core._norms import norm_of_leaves
 
 # Above this order, powers of values in [0.5, 1) may leave the normal range:
 # the scaled norms are divided by their largest first (one more rounding).
@@ -63,33 +71,40 @@ def leaf_norms(fn: str, tree, p, where: Where, kept: Kept = PER_LEAF
     if not axes:  # a whole leaf: its norm alone, as global_norm of it
       norms.append(norm_of_leaves([x], p, red)[None])
       continue
-    units = jnp.moveaxis(x, axes, range(len(axes)))
-    units = units.reshape((-1,) + units.shape[len(axes):])
-    norms.append(_each_alone(units, p, red, kernel()))
+    norms.append(_unit_norms(x, axes, p, red))
   return norms, keep
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _each_alone(units: jax.Array, p, red, choice: str) -> jax.Array:
-  """The norm of each ``units[i]``, one at a time in a loop whose body is the
-  same program for every count of units (``choice``: the kernel, read when
-  it was traced): a unit's bits never depend on the other units beside it,
-  as the one-program norm's, which takes one rescue decision for a group,
-  would."""
-  del choice
-  acc = _tree.accumulation_dtype([units])
-  return lax.map(lambda unit: norm_of_leaves([unit], p, red).astype(acc), units)
+def _unit_norms(x: jax.Array, axes: Keep, p, red: Reduction) -> jax.Array:
+  """The norm of each slice of ``x`` along its kept ``axes`` (C order), one
+  program per leaf shape (a few operations called one by one would each
+  compile their own)."""
+  units = jnp.moveaxis(x, axes, range(len(axes)))
+  return _rows(units.reshape(math.prod(units.shape[:len(axes)]), -1), p, red)
+
+
+# Halves at least this wide are written out before the next level is added:
+# each level is then a kernel of its own (all the GPU's threads at work, not
+# one per row); narrower ones fuse.
+_MATERIALIZED_WIDTH = 1024
 
 
 def _fixed_sum(terms: jax.Array) -> jax.Array:
-  """The sum of a vector, by halves (padded with zeros to a power of two):
-  elementwise additions in an order fixed by its length alone."""
-  size = 1 << max(terms.shape[0] - 1, 0).bit_length()
-  terms = jnp.pad(terms, (0, size - terms.shape[0]))
+  """The sum of each row (the last axis), by halves (padded with zeros to a
+  power of two): elementwise additions in an order fixed by the row's
+  length alone, which no compiler may reorder (the powers are written out
+  first: no multiply-add is contracted into a fused one)."""
+  n = terms.shape[-1]
+  size = 1 << max(n - 1, 0).bit_length()
+  terms = lax.optimization_barrier(
+      jnp.pad(terms, [(0, 0)] * (terms.ndim - 1) + [(0, size - n)]))
   while size > 1:
     size //= 2
-    terms = terms[:size] + terms[size:]
-  return terms[0]
+    terms = terms[..., :size] + terms[..., size:]
+    if size >= _MATERIALIZED_WIDTH:
+      terms = lax.optimization_barrier(terms)
+  return terms[..., 0]
 
 
 def _root(s: jax.Array, p: float) -> jax.Array:
@@ -107,25 +122,38 @@ def _power(y: jax.Array, p: float) -> jax.Array:
   return jnp.where(positive, jnp.where(positive, y, 1) ** p, 0)
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _combined(norms: jax.Array, order: jax.Array, p: float) -> jax.Array:
-  """``combined_norm`` of the concatenated leaf norms, compiled once per
-  count, dtype and order ``p`` (not per split into stages)."""
-  acc = norms.dtype
-  norms = norms[order]
-  if p == math.inf:
-    return jnp.max(norms)
-  top = jnp.max(_exact.magnitude_bits(norms))  # NaN above Inf above the rest
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _rows(rows: jax.Array, p: float, red: Reduction = LOCAL) -> jax.Array:
+  """The ``p``-norm of each row of ``rows`` (any float or complex dtype),
+  from the largest ``|x|``'s power of two (a max: exact in any order) and a
+  fixed pairwise sum of the scaled powers: a row's bits depend on its
+  entries alone, whatever else a program computes beside it (with ``red``'s
+  mesh axes, on its devices' parts: one ``pmax`` and one ``psum``).
+  Compiled once per shape, dtype, order and reduction."""
+  acc = _tree.accumulation_dtype([rows])
+  parts = ([jnp.real(rows), jnp.imag(rows)] if jnp.iscomplexobj(rows)
+           else [rows])
+  top = functools.reduce(jnp.maximum, [  # NaN above Inf above the rest
+      jnp.max(_exact.magnitude_bits(part.astype(acc)), axis=-1, initial=0)
+      for part in parts])
+  if red.axis_names:
+    top = lax.pmax(top, red.axis_names)
   peak = lax.bitcast_convert_type(top, acc)
+  if p == math.inf:
+    return peak if len(parts) == 1 else red.max(jnp.max(
+        jnp.abs(rows).astype(acc), axis=-1, initial=0))
   usable = (top > 0) & (top < _exact.bits(jnp.asarray(jnp.inf, acc)))
   exponent = jnp.where(usable, _exact.exponent_of_bits(top, acc), 0)
-  scale = _exact.Scale.by(-exponent, acc)
-  scaled = scale.apply(norms)  # exact; the largest in [0.5, 1)
-  largest = jnp.ones([], acc)
+  scale = _exact.Scale.by(-exponent[..., None], acc)
+  scaled = scale.magnitude(rows, acc)  # exact; the largest in [0.5, 1.5)
+  largest = jnp.ones(top.shape, acc)
   if p > _SCALED_ORDER_LIMIT:
-    largest = jnp.where(usable, scale.apply(peak), 1)
-    scaled = scaled / largest
-  root = _root(_fixed_sum(_power(scaled, p)), p) * largest
+    largest = jnp.where(usable, red.max(jnp.max(scaled, axis=-1, initial=0)), 1)
+    scaled = scaled / largest[..., None]
+  sums = _fixed_sum(_power(scaled, p))
+  if red.axis_names:
+    sums = red.sum(sums, (sums.shape[0],))
+  root = _root(sums, p) * largest
   return jnp.where(usable, _exact.unscaled(root, exponent), peak)
 
 
@@ -139,4 +167,4 @@ def combined_norm(parts: list[jax.Array], order: tuple[int, ...], p: float
   norms = jnp.concatenate([part.astype(acc) for part in parts])
   if not norms.size:
     return jnp.zeros([], acc)
-  return _combined(norms, jnp.asarray(order, jnp.int32), p)
+  return _rows(norms[jnp.asarray(order, jnp.int32)][None], p)[0]
