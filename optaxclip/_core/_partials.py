@@ -4,16 +4,20 @@ A stage (a program of its own) measures each of its leaves on its own, with
 the same overflow-safe norm as the one-program norm of that leaf alone:
 a leaf's value never depends on the other leaves of its stage (the
 one-program norm groups small leaves, and takes one rescue decision for a
-group). The combination sorts every stage's leaf norms by a position that
-does not depend on the split (the leaf's key path), then reduces them in a
-fixed pairwise order of elementwise operations, which a compiler may not
-reorder: any split of the tree into stages, and any order of arrival,
-gives the same bits.
+group). A stacked leaf's layer (expert) slices, which a stack split between
+stages spreads over several programs of different shapes, are each reduced
+by ``_rows``: a maximum (exact in any order) and a sum by halves of
+elementwise operations, whose bits depend on the slice's entries alone. The
+combination sorts every stage's unit norms by a position that does not
+depend on the split (the leaf's key path, the unit's global index), then
+reduces them the same way: any split of the tree into stages, and any order
+of arrival, gives the same bits.
 
-Overflow safety: the leaf norms are scaled by the power of two of their
-largest (read from its bits, subnormal ones too), so their ``p``-th powers
-lie in ``[0, 1]``, and the result is scaled back exactly. The norm of
-every leaf is finite wherever the whole tree's is.
+Overflow safety: values are scaled by the power of two of their largest
+(read from its bits, subnormal ones too), so their ``p``-th powers lie in
+``[0, 1]`` (``[0, 2**(p/2)]`` for complex entries), and the result is
+scaled back exactly. The norm of every unit is finite wherever the whole
+tree's is.
 """
 
 import functools
