@@ -499,3 +499,20 @@ def test_bad_layers_and_stages():
     F.clip_stage({"w": stack[:2]}, -1.0, a, per_layer=True)
   with pytest.raises(TypeError, match=r"combine_leaf_norms\(partials"):
     F.combine_leaf_norms([a, 1.0])
+
+
+@pytest.mark.parametrize("ord", [2.0, 100.0])
+def test_layer_norms_of_complex_subnormal_and_empty_slices(ord):
+  rng = np.random.default_rng(5)
+  c = (rng.normal(size=(3, 5)) + 1j * rng.normal(size=(3, 5))).astype(np.complex64)
+  c[1] *= 1e20  # |x|**p overflows float32 (and float64 for p = 100)
+  tiny = np.full((3, 6), 1e-39, np.float32)  # subnormal entries
+  tiny[0], tiny[2, 0] = 0, 3e-39
+  for x in (c, tiny):
+    got = F.partial_norm({"w": jnp.asarray(x)}, ord, layer_axis=0).norms
+    a = np.abs(x.astype(np.complex128 if x.dtype == np.complex64 else np.float64))
+    peak = a.max(axis=1, keepdims=True)
+    want = peak[:, 0] * ((a / np.where(peak > 0, peak, 1)) ** ord).sum(axis=1) ** (1 / ord)
+    assert _ulps(got, np.float32(want)) <= 2, (x.dtype, got, want)
+  empty = F.partial_norm({"w": jnp.zeros((2, 0))}, ord, layer_axis=0)
+  np.testing.assert_array_equal(empty.norms, [0.0, 0.0])
