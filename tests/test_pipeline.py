@@ -278,7 +278,7 @@ def _same_bits(got, want):
         np.asarray(want.units[path], np.float32).view(np.int32), path)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(st.integers(1, 4).flatmap(lambda n: st.tuples(
     st.lists(st.integers(0, N_LAYERS), min_size=n - 1, max_size=n - 1),
     st.lists(st.integers(0, n - 1), min_size=len(WHOLE_KEYS),
