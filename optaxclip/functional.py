@@ -18,7 +18,10 @@ from optaxclip._clip.per_example import (
 from optaxclip._clip.per_example import (
     per_example_clip_by_layer_norm as per_example_clip_by_layer_norm,
 )
+from optaxclip._clip.pipeline import CombinedNorms as CombinedNorms
 from optaxclip._clip.pipeline import PartialNorm as PartialNorm
+from optaxclip._clip.pipeline import clip_stage as clip_stage
+from optaxclip._clip.pipeline import combine_leaf_norms as combine_leaf_norms
 from optaxclip._clip.pipeline import combine_norms as combine_norms
 from optaxclip._clip.pipeline import partial_norm as partial_norm
 from optaxclip._clip.value import clip_by_value_fn as clip_by_value
@@ -26,6 +29,7 @@ from optaxclip._core import all_finite as all_finite
 from optaxclip._core import global_norm as global_norm
 
 __all__ = [
+    "CombinedNorms",
     "PartialNorm",
     "PerExampleClip",
     "adaptive_grad_clip",
@@ -34,6 +38,8 @@ __all__ = [
     "clip_by_global_norm",
     "clip_by_norm",
     "clip_by_value",
+    "clip_stage",
+    "combine_leaf_norms",
     "combine_norms",
     "global_norm",
     "partial_norm",

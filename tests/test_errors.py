@@ -64,6 +64,10 @@ FUNCTIONS = {
     "loss_scale": oc.loss_scale,
     "partial_norm": lambda **k: F.partial_norm(**{"tree": GRADS, **k}),
     "combine_norms": F.combine_norms,
+    "combine_leaf_norms": F.combine_leaf_norms,
+    "clip_stage": lambda **k: F.clip_stage(**{
+        "tree": GRADS, "max_norm": 1.0, "partial": F.partial_norm(GRADS),
+        "per_layer": True, **k}),
     "qk_clip": lambda **k: oc.qk_clip(**{"heads": QK_HEADS, **k}),
     "F.qk_clip": lambda **k: F.qk_clip(
         **{"params": GRADS, "max_logits": jnp.ones(3), "heads": QK_HEADS, **k}),
@@ -111,13 +115,14 @@ def _rows(names, arg, cases):
 
 THRESHOLDS = ["clip_by_norm", "clip_by_global_norm", "clip_grad_norm",
               "F.clip_by_norm", "F.clip_by_global_norm",
-              "per_example_clip_by_global_norm", "per_example_clip_by_layer_norm"]
+              "per_example_clip_by_global_norm", "per_example_clip_by_layer_norm",
+              "clip_stage"]
 ORDERS = ["clip_by_norm", "clip_by_global_norm", "F.clip_by_norm",
           "F.clip_by_global_norm", "global_norm", "skip_step",
           "per_example_clip_by_global_norm", "partial_norm"]
 EPS = ["clip_by_norm", "clip_by_global_norm", "F.clip_by_norm",
        "F.clip_by_global_norm", "adaptive_grad_clip", "F.adaptive_grad_clip",
-       "auto_clip", "zclip", "adagc"]
+       "auto_clip", "zclip", "adagc", "clip_stage"]
 SPECS = ["clip_by_norm", "clip_by_global_norm", "clip_grad_norm",
          "clip_by_block_rms", "F.clip_by_block_rms",
          "adaptive_grad_clip", "auto_clip", "zclip", "adagc", "skip_step",
@@ -232,7 +237,11 @@ BAD_ARGUMENTS = [
     *_rows(["clip_grad_norm"], "norm_type", ORD),
     *_rows(["partial_norm"], "prefix", [
         (1, TypeError, r" must be a str, got 1")]),
-    *_rows(["combine_norms"], "partials", [
+    *_rows(["partial_norm"], "layers", [
+        (1.5, TypeError, r" must hold None, an int .* or a range")]),
+    *_rows(["clip_stage"], "partial", [
+        (1.0, TypeError, r" must be the stage's PartialNorm")]),
+    *_rows(["combine_norms", "combine_leaf_norms"], "partials", [
         ([], TypeError, r" must be a non-empty list of PartialNorm"),
         ([1.0], TypeError, r" must be a non-empty list of PartialNorm")]),
     *_rows(EPS, "eps", NEGATIVE_FINITE),
@@ -558,7 +567,7 @@ def test_every_public_name_is_in_the_table():
   named = {_name(name).replace("\\", "") for name, *_ in BAD_ARGUMENTS}
   public = set(oc.__all__) | set(F.__all__)
   stateless = {"functional", "stats", "PerExampleClip", "NonFiniteGradientError",
-               "PartialNorm", "ClipStallWarning",
+               "PartialNorm", "CombinedNorms", "ClipStallWarning",
                "AttentionHeads"}  # checked by qk_clip(heads=...)
   public = {n for n in public if not n.endswith("State") and n != "SkipStats"}
   assert public - stateless <= named, public - stateless - named

@@ -16,7 +16,7 @@ kernel: one read, no conditional),
 ``_tangents`` (the derivative by formula), ``_exact`` (exact powers of
 two), ``_batching`` (small leaves grouped for compile time) and ``_mesh``
 (specs, the one all-reduce, layouts); ``_partials`` (pipeline stages'
-leaf norms, combined in one fixed order).
+leaf, layer and expert norms, combined in one fixed order).
 """
 
 from optaxclip._core._kept import PER_LEAF as PER_LEAF
