@@ -27,7 +27,7 @@ demo: install-demo
 # that reach the norm kernel, run once more through the GPU/TPU kernel
 # (OPTAXCLIP_KERNEL=one_pass: docs/design.md, Platforms).
 test: install-test
-	$(PY) -m ruff check optaxclip tests benchmarks examples
+	$(PY) -m ruff check optaxclip tests benchmarks examples docs/scripts
 	$(VENV)/bin/pyright
 	$(PY) -m pytest -q -n auto
 	OPTAXCLIP_KERNEL=one_pass $(PY) -m pytest -q -n auto tests/test_global_norm.py \
