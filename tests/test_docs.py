@@ -222,6 +222,15 @@ def test_docstring_docs_mentions_are_links():
   assert not offenders, offenders
 
 
+def test_docstring_lines_are_not_markdown_quotes():
+  """A docstring line that starts with ``>`` (``>= 0)`` wrapped to the start
+  of a line) renders as a block quote on the reference page."""
+  offenders = [f"{name}: {line.strip()}" for name, doc in _public_docstrings()
+               for line in doc.splitlines()
+               if re.match(r"\s*>(?!>>)", line)]
+  assert not offenders, offenders
+
+
 def test_reference_lists_every_public_name():
   """Every public name has its entry in the reference (a ``:::`` block on one
   of docs/reference/*.md) and a row in the summary table at its top."""
