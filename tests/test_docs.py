@@ -139,6 +139,29 @@ def test_output_is_compared_exactly():
       check_output(printed, shown, "docs/page.md:1")
 
 
+# Characters of code the content column shows without scrolling (a 1280
+# pixel wide window); printed output (``text``) wraps instead (extra.css).
+CODE_COLUMNS = 80
+
+
+def test_code_lines_fit_the_column():
+  """No line of code on a page is wider than the column: a reader would have
+  to scroll sideways to see its end."""
+  offenders = []
+  for page in PAGES:
+    lines = (DOCS / page).read_text().splitlines()
+    fence = None
+    for number, line in enumerate(lines, 1):
+      opening = _FENCE.match(line)
+      if opening and fence is None:
+        fence = (len(opening["indent"]), opening["info"].strip().split(" ")[0])
+      elif opening:
+        fence = None
+      elif fence and fence[1] != "text" and len(line) - fence[0] > CODE_COLUMNS:
+        offenders.append(f"docs/{page}:{number}: {len(line) - fence[0]} columns")
+  assert not offenders, offenders
+
+
 @pytest.mark.parametrize("page", PAGES)
 def test_page_code_blocks(page):
   """Every optaxclip code block on the page runs and prints what it says."""
