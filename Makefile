@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test docs bench install-test install-demo clean
+.PHONY: demo test docs bench install-test install-demo install-docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -12,6 +12,9 @@ $(PY):
 
 install-test: $(PY)
 	$(PY) -m pip install --quiet -e ".[test,docs]"
+
+install-docs: $(PY)
+	$(PY) -m pip install --quiet -e ".[docs]"
 
 install-demo: $(PY)
 	$(PY) -m pip install --quiet -e ".[demo]"
@@ -24,13 +27,15 @@ demo: install-demo
 # that reach the norm kernel, run once more through the GPU/TPU kernel
 # (OPTAXCLIP_KERNEL=one_pass: docs/design.md, Platforms).
 test: install-test
-	$(PY) -m ruff check optaxclip tests benchmarks examples
+	$(PY) -m ruff check optaxclip tests benchmarks examples docs/scripts
 	$(VENV)/bin/pyright
 	$(PY) -m pytest -q -n auto
 	OPTAXCLIP_KERNEL=one_pass $(PY) -m pytest -q -n auto tests/test_global_norm.py \
 	  tests/test_distributed.py -k "not test_distributed or shard_map or gspmd_gives or gspmd_moves or single_axis"
 
-docs: install-test
+# The site only: mkdocs, its theme and mkdocstrings (which reads the
+# docstrings without importing optaxclip).
+docs: install-docs
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 bench: $(PY)

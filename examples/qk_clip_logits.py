@@ -100,6 +100,9 @@ def main():
   ax.axhline(args.threshold, color="gray", linestyle=":", label="threshold")
   ax.set_xlabel("step")
   ax.set_ylabel("largest attention logit")
+  # Log scale: the unclipped run reaches ~2e4; the clipped one and the
+  # threshold (30) would lie flat on 0 on a linear axis.
+  ax.set_yscale("log")
   ax.legend()
   fig.tight_layout()
   args.out.parent.mkdir(parents=True, exist_ok=True)

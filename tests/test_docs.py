@@ -24,6 +24,7 @@ removed before running.
 
 import contextlib
 import dataclasses
+import html.parser
 import importlib.util
 import io
 import os
@@ -122,7 +123,7 @@ def _optaxclip_blocks(page: str) -> list[Block]:
 
 def test_pages_found():
   assert {"index.md", "which.md", "logging.md", "distributed.md",
-          "reference.md", "migration/pytorch.md", "migration/tensorflow.md",
+          "reference/index.md", "migration/pytorch.md", "migration/tensorflow.md",
           "migration/mindspore.md"} <= set(PAGES)
 
 
@@ -136,6 +137,29 @@ def test_output_is_compared_exactly():
                   "[-0.30656928  0.30656928]\n\n"):  # an extra line
     with pytest.raises(AssertionError, match="but the page says"):
       check_output(printed, shown, "docs/page.md:1")
+
+
+# Characters of code the content column shows without scrolling (a 1280
+# pixel wide window); printed output (``text``) wraps instead (extra.css).
+CODE_COLUMNS = 80
+
+
+def test_code_lines_fit_the_column():
+  """No line of code on a page is wider than the column: a reader would have
+  to scroll sideways to see its end."""
+  offenders = []
+  for page in PAGES:
+    lines = (DOCS / page).read_text().splitlines()
+    fence = None
+    for number, line in enumerate(lines, 1):
+      opening = _FENCE.match(line)
+      if opening and fence is None:
+        fence = (len(opening["indent"]), opening["info"].strip().split(" ")[0])
+      elif opening:
+        fence = None
+      elif fence and fence[1] != "text" and len(line) - fence[0] > CODE_COLUMNS:
+        offenders.append(f"docs/{page}:{number}: {len(line) - fence[0]} columns")
+  assert not offenders, offenders
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -194,21 +218,157 @@ def test_docstring_links_are_markdown():
   assert not offenders, offenders
 
 
-def test_mkdocs_build_strict(tmp_path):
-  """The site builds with ``mkdocs build --strict``: no warnings at all."""
-  if importlib.util.find_spec("mkdocs") is None:
-    pytest.skip("mkdocs is not installed (pip install the docs extra, "
-                "see DOCS_DEPS.txt)")
-  for module in ("material", "mkdocstrings", "mkdocstrings_handlers.python"):
-    if importlib.util.find_spec(module.split(".")[0]) is None:
-      pytest.skip(f"{module} is not installed (see DOCS_DEPS.txt)")
+def _public_docstrings():
+  """(name, docstring) of everything the API reference renders: the public
+  names of optaxclip and optaxclip.functional, and their public members."""
+  import optaxclip
+  from optaxclip import functional
+  for module in (optaxclip, functional):
+    yield module.__name__, module.__doc__ or ""
+    for name in module.__all__:
+      obj = getattr(module, name)
+      yield f"{module.__name__}.{name}", obj.__doc__ or ""
+      if isinstance(obj, type):
+        for attr, member in vars(obj).items():
+          member = getattr(member, "__func__", member)
+          if not attr.startswith("_") and callable(member):
+            yield f"{module.__name__}.{name}.{attr}", member.__doc__ or ""
+
+
+def test_docstring_docs_mentions_are_links():
+  """A docstring that points to a docs page links it, ``[docs/x.md](../x.md)``
+  (relative to the reference pages, docs/reference/*.md, where mkdocs
+  resolves and checks it): plain ``docs/x.md`` is dead text on the site."""
+  link = re.compile(r"\[[^\]]*\]\([^)]*\)")
+  offenders = [f"{name}: {m.group(0)}" for name, doc in _public_docstrings()
+               for m in re.finditer(r"docs/[\w/-]+\.md", link.sub("", doc))]
+  assert not offenders, offenders
+
+
+def test_docstring_lines_are_not_markdown_quotes():
+  """A docstring line that starts with ``>`` (``>= 0)`` wrapped to the start
+  of a line) renders as a block quote on the reference page."""
+  offenders = [f"{name}: {line.strip()}" for name, doc in _public_docstrings()
+               for line in doc.splitlines()
+               if re.match(r"\s*>(?!>>)", line)]
+  assert not offenders, offenders
+
+
+def test_reference_lists_every_public_name():
+  """Every public name has its entry in the reference (a ``:::`` block on one
+  of docs/reference/*.md) and a row in the summary table at its top."""
+  import optaxclip
+  from optaxclip import functional
+  pages = {p.name: p.read_text() for p in (DOCS / "reference").glob("*.md")}
+  summary = pages.pop("index.md")
+  blocks = set(re.findall(r"^::: ([\w.]+)$", "\n".join(pages.values()), re.M))
+  names = {f"optaxclip.{n}" for n in optaxclip.__all__ if n != "functional"}
+  names |= {f"optaxclip.functional.{n}" for n in functional.__all__}
+  assert names - blocks == set(), "no ::: entry on docs/reference/*.md"
+  assert blocks - names == set(), "an entry for a name that is not public"
+  rows = set(re.findall(r"^\| \[`\w+`\]\[([\w.]+)\] \|", summary, re.M))
+  assert names - rows == set(), "no row in docs/reference/index.md"
+
+
+_DOCS_EXTRA = ("pip install -e '.[docs]' (the docs extra in pyproject.toml; "
+               "`make docs` installs it)")
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> pathlib.Path:
+  """The site, built once with ``mkdocs build --strict`` (about 2 s)."""
+  for module in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers"):
+    if importlib.util.find_spec(module) is None:
+      pytest.skip(f"{module} is not installed: {_DOCS_EXTRA}")
+  out = tmp_path_factory.mktemp("site")
   env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
   result = run_process(
       [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
-       str(tmp_path / "site")], cwd=ROOT, env=env)
+       str(out)], cwd=ROOT, env=env)
   assert result.returncode == 0, result.stdout + result.stderr
-  reference = (tmp_path / "site" / "reference" / "index.html").read_text()
+  return out
+
+
+def test_mkdocs_build_strict(site):
+  """The site builds with ``mkdocs build --strict``: no warnings at all."""
+  reference = (site / "reference" / "adaptive" / "index.html").read_text()
   assert '<a href="https://arxiv.org/abs/2504.02507">' in reference  # ZClip
+
+
+class _Text(html.parser.HTMLParser):
+  """The text of an HTML page as a reader sees it, code and prose apart
+  (HTML comments, which a browser does not show, are dropped)."""
+
+  def __init__(self):
+    super().__init__(convert_charrefs=True)
+    self.prose: list[str] = []
+    self.code: list[str] = []
+    self._skip = 0  # inside <script>/<style>
+    self._pre = 0
+
+  def handle_starttag(self, tag, attrs):
+    self._skip += tag in ("script", "style")
+    self._pre += tag == "pre"
+
+  def handle_endtag(self, tag):
+    self._skip -= tag in ("script", "style") and self._skip > 0
+    self._pre -= tag == "pre" and self._pre > 0
+
+  def handle_data(self, data):
+    if not self._skip:
+      (self.code if self._pre else self.prose).append(data)
+
+
+# Markdown that shows up as text when its extension is missing or a block is
+# indented wrongly: a content tab, a code fence, an admonition, an HTML
+# comment (``<!-- skip: torch -->``) or a snippet include.
+_UNRENDERED = re.compile(r'^\s*(=== "|```|!!! |\?\?\? |--8<--)|<!--', re.M)
+
+
+def unrendered(page_html: str) -> list[str]:
+  """The lines of a built page's text that are Markdown left unrendered."""
+  text = _Text()
+  text.feed(page_html)
+  return [m.group(0).strip() + " in: " + line.strip()[:80]
+          for part in text.prose + text.code
+          for line in part.splitlines()
+          if (m := _UNRENDERED.search(line))]
+
+
+def test_unrendered_markup_is_caught():
+  """The check sees what the migration pages showed without pymdownx.tabbed:
+  the tab title and the fences as text, the skip comment inside a code block."""
+  broken = ('<p>=== "PyTorch"</p><pre><code>&lt;!-- skip: torch --&gt;\n'
+            '```python\nimport torch\n```</code></pre>')
+  assert len(unrendered(broken)) == 4  # the title, the comment, two fences
+  fine = ('<!-- skip: torch --><div class="tabbed-set"><label>PyTorch</label>'
+          '<pre><code>import torch</code></pre></div><p>a == b</p>')
+  assert unrendered(fine) == []
+
+
+def test_every_page_renders(site):
+  """No page of the built site shows Markdown as text (a content tab, a code
+  fence or an HTML comment): ``--strict`` does not see those."""
+  pages = sorted(site.rglob("*.html"))
+  assert len(pages) > len(PAGES)
+  offenders = [f"{page.relative_to(site)}: {line}" for page in pages
+               for line in unrendered(page.read_text())]
+  assert not offenders, "\n".join(offenders)
+
+
+def test_markdown_extensions_cover_the_pages():
+  """Every Markdown extension a page's syntax needs is enabled in mkdocs.yml
+  (without mkdocs installed: the site test above then skips)."""
+  config = (ROOT / "mkdocs.yml").read_text()
+  needs = {r'^\s*=== "': "pymdownx.tabbed", r"^!!! ": "admonition",
+           r"^\?\?\? ": "pymdownx.details", r"^--8<--": "pymdownx.snippets",
+           r"^\s*```": "pymdownx.superfences", r"^\|.*\|$": "tables"}
+  for page in PAGES:
+    text = (DOCS / page).read_text()
+    for pattern, extension in needs.items():
+      if re.search(pattern, text, re.M):
+        assert re.search(rf"^  - {re.escape(extension)}\b", config, re.M), (
+            f"docs/{page} needs {extension}, not enabled in mkdocs.yml")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The README's demo runs end to end (in its tiny configuration)."""
+"""The examples run end to end (in small configurations)."""
 
 import pathlib
 import re
@@ -86,4 +86,15 @@ def test_qk_clip_example_bounds_the_logits(tmp_path):
   plain = float(re.search(r"without qk_clip: ([\d.]+)", result.stdout)[1])
   clipped = float(re.search(r"with qk_clip\(30\): ([\d.]+)", result.stdout)[1])
   assert plain > 100 and clipped < 60, result.stdout
+  assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_guarded_training_example_skips_the_spikes(tmp_path):
+  """The run docs/guards.md plots, cut before the loss scale's saw-tooth: the
+  norm and loss spikes are skipped by skip_step, the NaN batch is an overflow."""
+  png = tmp_path / "guards_run.png"
+  result = run_ok([sys.executable, str(ROOT / "examples" / "guarded_training.py"),
+                   "--steps", "260", "--out", str(png)])
+  assert "1 overflows (steps [250])" in result.stdout, result.stdout
+  assert "3 skipped by skip_step (steps [100, 101, 170])" in result.stdout, result.stdout
   assert png.read_bytes()[:8] == PNG_MAGIC

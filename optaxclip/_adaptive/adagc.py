@@ -157,7 +157,7 @@ def adagc(*, lambda_abs: Scalar = 1.0, lambda_rel: Scalar = 1.05, beta: Scalar =
   and leaves ``gamma`` alone. The paper's numbers, except that no single
   step (an outlier, a lasting shift, a warm-up of zeros) sets the
   thresholds for thousands of steps. Rules, bounds, defaults and injected
-  hyperparameters: docs/guards.md.
+  hyperparameters: [docs/guards.md](../guards.md).
 
   Args:
     lambda_abs: the global threshold during warm-up (>= 0, or inf).

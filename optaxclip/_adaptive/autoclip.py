@@ -132,8 +132,8 @@ def auto_clip(percentile: Scalar = 10.0, *, history: int = 1000,
   while ``step <= history``, its first step never clipped (``c = g``). A NaN
   or Inf norm propagates, as in the reference, but stays out of the history
   (counted in ``nonfinite_count``). One outlier of any size takes one rank
-  of the history for ``history`` steps at most (docs/which.md). Injected
-  hyperparameters: docs/hyperparameters.md.
+  of the history for ``history`` steps at most ([docs/which.md](../which.md)).
+  Injected hyperparameters: [docs/hyperparameters.md](../hyperparameters.md).
 
   Args:
     percentile: the percentile of past norms to clip to, in [0, 100]; the
@@ -143,7 +143,7 @@ def auto_clip(percentile: Scalar = 10.0, *, history: int = 1000,
     eps: added to the norm before dividing (1e-6: PyTorch's
       ``clip_grad_norm_``).
     axis_name: under ``shard_map``/``pmap``, the mesh axis name(s) the
-      updates are split over (docs/distributed.md).
+      updates are split over ([docs/distributed.md](../distributed.md)).
     specs: with ``axis_name``, the updates' ``PartitionSpec`` (a tree prefix).
     mask: leaves in the norm and the clip (a tree prefix of bools, or a
       callable of the updates, as ``optax.masked``'s); the others pass

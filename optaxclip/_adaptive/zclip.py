@@ -266,7 +266,8 @@ def zclip(*, alpha: Scalar = 0.97, z_thresh: Scalar = 2.5,
   multiplied by ``threshold / (g + 1e-6)``; the EMA is fed the threshold.
   The reference's numbers, except where its statistics break (NaN/Inf, one
   huge outlier, a lasting rise: at most ``max_consecutive_spikes`` cuts in
-  a row). Rules, bounds, injected hyperparameters: docs/guards.md.
+  a row). Rules, bounds, injected hyperparameters:
+  [docs/guards.md](../guards.md).
 
   Args:
     alpha: EMA smoothing factor in [0, 1] (weight of the past).

@@ -186,11 +186,12 @@ def adaptive_grad_clip_fn(updates: PyTree, params: PyTree, clipping: Scalar, *,
       ``updates`` (a ValueError names the first leaf that differs).
     clipping: the largest ratio of gradient norm to parameter norm (>= 0).
     eps: the floor of the parameter norm, so zero-initialised parameters
-      can still move (>= 0). Traced values: docs/hyperparameters.md.
+      can still move (>= 0). Traced values:
+      [docs/hyperparameters.md](../hyperparameters.md).
     axis: the axes one unit spans (an int or a tuple), for every leaf;
       None chooses them from each leaf's rank, as Optax does.
     axis_name: under ``shard_map``/``pmap``, the axis name(s) leaves are
-      split over; needs ``specs`` (docs/distributed.md).
+      split over; needs ``specs`` ([docs/distributed.md](../distributed.md)).
     specs: with ``axis_name``, the leaves' ``PartitionSpec`` (tree prefix);
       ``params`` are split as ``updates``.
     layer_axis: the axis that stacks scanned layers (an int, or a tree
@@ -236,7 +237,8 @@ def adaptive_grad_clip(clipping: Scalar, *, eps: Scalar = 1e-3, axis: Axis = Non
   clipped units (``optaxclip.stats``; ``state=None`` is a fresh one).
   ``update`` needs ``params`` shaped as the updates (a ValueError names the
   leaves that differ); a NaN or Inf gradient propagates, as in Optax, and
-  is counted. Injected hyperparameters: docs/hyperparameters.md.
+  is counted. Injected hyperparameters:
+  [docs/hyperparameters.md](../hyperparameters.md).
 
   Args:
     clipping: the largest ratio of gradient norm to parameter norm (>= 0);
@@ -245,7 +247,7 @@ def adaptive_grad_clip(clipping: Scalar, *, eps: Scalar = 1e-3, axis: Axis = Non
     axis: the axes one unit spans (an int or a tuple), for every leaf;
       None chooses them from each leaf's rank, as Optax does.
     axis_name: under ``shard_map``/``pmap``, the axis name(s) leaves are
-      split over; needs ``specs`` (docs/distributed.md).
+      split over; needs ``specs`` ([docs/distributed.md](../distributed.md)).
     specs: with ``axis_name``, the leaves' ``PartitionSpec`` (tree prefix);
       the params are split as the updates.
     layer_axis: for scanned (stacked) layers, the axis that stacks them (an

@@ -146,7 +146,7 @@ def clip_by_block_rms(threshold: Scalar, *, axis_name: AxisName = None,
 
   Args:
     threshold: as in ``functional.clip_by_block_rms``.
-    axis_name: as there (docs/distributed.md).
+    axis_name: as there ([docs/distributed.md](../distributed.md)).
     specs: as there.
     layer_axis: as there: each layer's slice is clipped by its own RMS;
       the state logs the largest

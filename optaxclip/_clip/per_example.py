@@ -175,10 +175,10 @@ def per_example_clip_by_layer_norm(grads: PyTree, max_norm: Scalar, *,
     grads: a pytree of per-example gradients, every floating leaf with the
       same leading batch axis.
     max_norm: the overall budget ``C`` (a number >= 0, or ``inf``; traced:
-      docs/hyperparameters.md).
+      [docs/hyperparameters.md](../hyperparameters.md)).
     uniform: split ``C`` evenly over the leaves, or by their sizes.
     axis_name: under ``shard_map``/``pmap``, the axis name(s) the leaves
-      are split over (docs/distributed.md).
+      are split over ([docs/distributed.md](../distributed.md)).
     specs: with ``axis_name``, the leaves' ``PartitionSpec`` (tree prefix);
       where it splits the batch, each device clips and sums its examples.
     layer_axis: the axis that stacks scanned layers in one example's

@@ -39,7 +39,8 @@ class ClipState(NamedTuple):
     min_scale: float ``[]``: the smallest factor of a finite step so far (1
       before any), the stall guard's record.
     floor_count: int32 ``[]``: finite steps whose factor fell under the
-      builder's ``floor`` (docs/muon.md); None when ``floor=None``.
+      builder's ``floor`` ([docs/muon.md](../muon.md)); None when
+      ``floor=None``.
     leaf_norms: with ``leaf_norms=True``, the last update's norm of every
       leaf: a tree of the gradients' structure, float ``[]`` per clippable
       leaf (``[layers]`` where ``layer_axis`` gives one), None elsewhere;

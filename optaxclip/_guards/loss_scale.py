@@ -19,7 +19,7 @@ while the scale's back-off sticks. The compositions that keep this:
   also skips norm spikes (``skip_step`` sees unscaled gradients and never an
   overflow).
 - ``skip_step(optax.chain(dynamic_loss_scale(), optax.adamw(...)))``:
-step`` rolls back every inner state except the loss scale's, and
+  ``skip_step`` rolls back every inner state except the loss scale's, and
   judges its input (still scaled) divided by the scale.
 - With gradient accumulation, ``dynamic_loss_scale(inner, every_k_steps=k)``
   is GradScaler's: the scale is fixed for a window of ``k`` micro-batches,
@@ -406,7 +406,8 @@ def dynamic_loss_scale(
   ``factor``, not below ``min_scale``; ``period`` finite steps in a row
   multiply it. Wrapping ``inner`` (clippers go inside), an overflow skips
   its step. PyTorch's, DeepSpeed's and Megatron-LM's settings:
-  docs/migration/pytorch.md; traced values: docs/hyperparameters.md.
+  [docs/migration/pytorch.md](../migration/pytorch.md); traced values:
+  [docs/hyperparameters.md](../hyperparameters.md).
 
   Args:
     initial_scale: the first scale, a float32 >= 2**-126; or ``inner``.

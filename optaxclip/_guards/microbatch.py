@@ -71,8 +71,8 @@ def microbatch_guard(*, max_norm: Scalar | None = None, ord: Ord = 2,
   around it drops such a micro-batch.
 
   Args:
-    max_norm: drop micro-batches whose global norm exceeds it (a number
-      >= 0), or None.
+    max_norm: drop micro-batches whose global norm exceeds it (a number,
+      at least 0), or None.
     ord: the norm order: any number ``p > 0`` or ``inf``.
     axis_name: under ``shard_map``/``pmap``, the axis name(s) the gradients
       are split over: every device takes the same decision.

@@ -232,7 +232,7 @@ def skip_step(inner: optax.GradientTransformation, *, nonfinite: bool = True,
   ``update``, the update's norm) is NaN/Inf or above ``mean + threshold *
   std`` of its past: bias-corrected EMAs, or the last ``window`` values
   (OLMo-core's and MaxText's rule). Rules, bounds, the anchors' settings,
-  costs: docs/guards.md.
+  costs: [docs/guards.md](../guards.md).
 
   Args:
     inner: the optimizer whose steps may be skipped.

@@ -34,8 +34,8 @@ def check_stall(opt_state: Any, *, max_floor_steps: int = 0) -> dict[str, int]:
   Args:
     opt_state: an optax optimizer state, or the dict ``optaxclip.stats``
       returned for one.
-    max_floor_steps: the number of steps under the floor tolerated (an int
-      >= 0): the warning threshold.
+    max_floor_steps: the warning threshold: the number of steps under the
+      floor tolerated (an int, at least 0).
 
   Returns:
     A dict from each warned clipper's ``stats`` prefix (``"clip"``) to its
