@@ -243,7 +243,7 @@ def qk_clip(threshold: Scalar = 100.0, *, heads: Blocks, alpha: Scalar = 0.5
   query and key weights of every head whose logit passed ``threshold``
   rescaled as ``functional.qk_clip`` would rescale ``params + updates``
   (bit for bit where the new weight minus the old is a float, else within
-  one ulp of that difference; docs/qk_clip.md, Exactness).
+  one ulp of that difference; [docs/qk_clip.md](../qk_clip.md), Exactness).
   Other entries' updates pass through untouched. Under
   ``optax.MultiSteps`` the rescale happens once per optimizer step: pass
   the window's running maximum of ``max_logits`` at every micro-step.

@@ -73,7 +73,7 @@ def clip_by_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
   Each floating leaf ``x`` becomes ``x * s``, ``s = max_norm / (norm(x) +
   eps)`` where that is below 1: TensorFlow's ``tf.clip_by_norm`` with
   ``eps=0``, MindSpore's ``ops.clip_by_norm`` with ``eps=1e-6``. Traced
-  arguments are clamped (docs/hyperparameters.md).
+  arguments are clamped ([docs/hyperparameters.md](../hyperparameters.md)).
 
   Args:
     tree: a pytree of arrays.
@@ -82,12 +82,13 @@ def clip_by_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
     ord: the norm order: any number ``p > 0`` or ``inf``.
     eps: added to the norm before dividing (0: exact threshold).
     axis_name: under ``shard_map``/``pmap``, the mesh axis name(s) the
-      updates are split over (docs/distributed.md).
+      updates are split over ([docs/distributed.md](../distributed.md)).
     specs: with ``axis_name``, the updates' ``PartitionSpec`` (a tree prefix).
     layer_axis: the axis that stacks scanned layers (an int, or a tree
       prefix of int or None): each layer's slice is clipped on its own.
     expert_axis: the axis that stacks experts (as ``layer_axis``): each
-      expert's slice (of each layer) is clipped on its own (docs/experts.md).
+      expert's slice (of each layer) is clipped on its own
+      ([docs/experts.md](../experts.md)).
 
   Returns:
     The clipped tree, with each leaf's dtype.
@@ -133,7 +134,7 @@ def clip_by_global_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
   instead, measured beforehand: nothing is reduced (TensorFlow's
   ``use_norm=``, PyTorch's ``clip_grads_with_norm_``; a NaN one makes every
   leaf NaN, an infinite one gives the factor 0, as in PyTorch). Traced
-  arguments are clamped (docs/hyperparameters.md).
+  arguments are clamped ([docs/hyperparameters.md](../hyperparameters.md)).
 
   Args:
     tree: a pytree of arrays.
@@ -141,7 +142,7 @@ def clip_by_global_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
     ord: the norm order: any number ``p > 0`` or ``inf``.
     eps: added to the norm before dividing (0: exact threshold).
     axis_name: under ``shard_map``/``pmap``, the mesh axis name(s) the
-      updates are split over (docs/distributed.md).
+      updates are split over ([docs/distributed.md](../distributed.md)).
     specs: with ``axis_name``, the updates' ``PartitionSpec`` (a tree prefix).
     use_norm: the norm to clip by (a scalar >= 0; NaN and inf are passed
       on), or None to measure the tree's own.
@@ -242,13 +243,13 @@ def clip_by_norm(max_norm: Scalar, *, ord: Ord = 2, eps: Scalar = 0.0,
 
   The transform form of ``optaxclip.functional.clip_by_norm``; its state
   (``ClipState``) logs the largest leaf norm and the smallest factor.
-  Injected hyperparameters: docs/hyperparameters.md.
+  Injected hyperparameters: [docs/hyperparameters.md](../hyperparameters.md).
 
   Args:
     max_norm: as in ``functional.clip_by_norm``.
     ord: as there.
     eps: as there.
-    axis_name: as there (docs/distributed.md).
+    axis_name: as there ([docs/distributed.md](../distributed.md)).
     specs: as there.
     nonfinite: ``"propagate"``, ``"zero"`` or ``"raise"``: what a NaN or
       Inf norm does (as in ``clip_by_global_norm``).
@@ -296,7 +297,7 @@ def clip_by_global_norm(max_norm: Scalar | dict[str, Scalar], *, ord: Ord = 2,
   float32 ulps) whose state keeps the pre-clip norm for logging
   (``optaxclip.stats``), finite for finite gradients of any magnitude and
   dtype. ``update`` accepts ``state=None``, as Optax's. Injected
-  hyperparameters: docs/hyperparameters.md.
+  hyperparameters: [docs/hyperparameters.md](../hyperparameters.md).
 
   Args:
     max_norm: the largest global norm (a number >= 0; ``inf`` never clips);
@@ -305,7 +306,7 @@ def clip_by_global_norm(max_norm: Scalar | dict[str, Scalar], *, ord: Ord = 2,
     eps: added to the norm before dividing: 0 (Optax, TensorFlow) clips
       exactly at ``max_norm``; 1e-6 is PyTorch's ``clip_grad_norm_``.
     axis_name: under ``shard_map``/``pmap``, the mesh axis name(s) the
-      updates are split over (docs/distributed.md).
+      updates are split over ([docs/distributed.md](../distributed.md)).
     specs: with ``axis_name``, the updates' ``PartitionSpec`` (a tree prefix).
     nonfinite: what a NaN or Inf norm does: ``"propagate"`` (as Optax,
       PyTorch, TensorFlow), ``"zero"`` (zero update) or ``"raise"`` (an error
@@ -320,12 +321,13 @@ def clip_by_global_norm(max_norm: Scalar | dict[str, Scalar], *, ord: Ord = 2,
       one pass; the state is then a ``GroupClipState`` (``clip/<label>/...``).
     floor: the stall guard: steps whose factor falls under it are counted
       (``clip/floor_count``; the smallest factor is ``clip/min_scale``), a
-      number in [0, 1] or None (not counted); docs/muon.md.
+      number in [0, 1] or None (not counted); [docs/muon.md](../muon.md).
     scale_only: the leaves to scale (a tree prefix of bools, or a callable
       of the updates): all are measured, those marked False pass through
-      (Muon's matrices; docs/muon.md). None: all are scaled.
+      (Muon's matrices; [docs/muon.md](../muon.md)). None: all are scaled.
     expert_axis: with ``leaf_norms``, the axis that stacks experts (as
-      ``layer_axis``; both: one norm per layer x expert; docs/experts.md).
+      ``layer_axis``; both: one norm per layer x expert;
+      [docs/experts.md](../experts.md)).
     mask: leaves in the norm and the clip (a tree prefix of bools, or a
       callable of the updates, as ``optax.masked``'s); the others (a frozen
       router) are left out of both and pass through untouched.
@@ -378,8 +380,9 @@ def clip_grad_norm(max_norm: Scalar, norm_type: Ord = 2.0, *,
   Every gradient is multiplied by ``min(1, max_norm / (total_norm +
   1e-6))``, ``total_norm`` the ``norm_type``-norm of all gradients; the
   state keeps ``total_norm`` (what PyTorch returns). The numbers agree
-  with PyTorch's to a few float32 ulps (docs/migration/pytorch.md).
-  Injected hyperparameters: docs/hyperparameters.md.
+  with PyTorch's to a few float32 ulps
+  ([docs/migration/pytorch.md](../migration/pytorch.md)). Injected
+  hyperparameters: [docs/hyperparameters.md](../hyperparameters.md).
 
   Args:
     max_norm: the largest total norm (a number >= 0; ``inf`` never clips).

@@ -343,7 +343,8 @@ def global_norm(tree: PyTree, ord: Ord = 2, *, axis_name: AxisName = None,
       traced (inside ``jit``), one that is not > 0 acts as 2.
     axis_name: under ``shard_map``/``pmap``, the mesh axis name (or tuple of
       names) the leaves are split over; the norm is then that of the whole,
-      unsplit tree, computed with one all-reduce (docs/distributed.md).
+      unsplit tree, computed with one all-reduce
+      ([docs/distributed.md](../distributed.md)).
     specs: with ``axis_name``, the ``PartitionSpec`` of each leaf (a tree
       prefix, as given to ``shard_map``'s ``in_specs``). Leaves replicated on
       an axis are counted once. ``None`` treats every leaf as split.

@@ -42,8 +42,8 @@ def rescue_enabled() -> bool:
   XLA's cost analysis counts both sides of the rescue's ``lax.cond``,
   though the rescue runs only when the plain sums fail; to measure its
   share, benchmarks/ and tests/test_traffic.py build programs without it,
-  in a process of their own (docs/design.md). Never in a program that
-  trains. Read when a norm is traced (clear JAX's caches after a change).
+  in a process of their own ([docs/design.md](../design.md)). Never in a program
+  that trains. Read when a norm is traced (clear JAX's caches after a change).
   """
   return os.environ.get("OPTAXCLIP_RESCUE", "on") != "off"
 
