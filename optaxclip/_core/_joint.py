@@ -100,6 +100,36 @@ def joint_shape(fn: str, tree: PyTree, where: Where, expert_axis: PyTree,
   return _plan(fn, tree, shapes, expert_axis, layer_axis).grid
 
 
+def _blocks(local: tuple[int, ...], whole: tuple[int, ...]) -> list[int]:
+  """Per kept axis, into how many devices' blocks the mesh splits it."""
+  return [w // n if n else 1 for n, w in zip(local, whole)]
+
+
+def _whole(units: jax.Array, local: tuple[int, ...], whole: tuple[int, ...]
+           ) -> jax.Array:
+  """A leaf's units of every device (device-major: each device's block at
+  its place, its mesh axes in kept-axis order, as ``Reduction.sum`` lays
+  them) in the C order of its whole kept axes."""
+  blocks = _blocks(local, whole)
+  if all(b == 1 for b in blocks):
+    return units
+  k = len(local)
+  interleaved = [a for d in range(k) for a in (d, k + d)]
+  return units.reshape(blocks + list(local)).transpose(interleaved).reshape(-1)
+
+
+def _everywhere(units: jax.Array, local: tuple[int, ...],
+                whole: tuple[int, ...]) -> jax.Array:
+  """``_whole`` undone: C order of the whole kept axes to device-major."""
+  blocks = _blocks(local, whole)
+  if all(b == 1 for b in blocks):
+    return units
+  k = len(local)
+  split = [a for d in range(k) for a in (blocks[d], local[d])]
+  order = [2 * d for d in range(k)] + [2 * d + 1 for d in range(k)]
+  return units.reshape(split).transpose(order).reshape(-1)
+
+
 class Joint:
   """One measure of a tree: every expert's joint norm, and every other
   leaf's own units (per leaf, per layer), from one pass.
@@ -114,7 +144,9 @@ class Joint:
 
   def __init__(self, measured: Measured, plan: _Plan, p):
     self.measured, self._plan = measured, plan
-    parts = measured.per_leaf()
+    parts = [_whole(part, local.shape, whole) for part, local, whole in
+             zip(measured.per_leaf(), measured.here(), measured.unit_shapes())]
+    self._parts = parts
     grids = [self._as_grid(parts[m.index], m) for m in plan.members]
     if not grids or not grids[0].size:
       self.norms = jnp.zeros(plan.grid, parts[0].dtype if parts else jnp.float32)
@@ -143,14 +175,14 @@ class Joint:
     for member in self._plan.members:
       per_leaf[member.index] = (grid.T if member.swapped else grid).reshape(-1)
     start = size
-    for i, part in zip(self._others, (self.measured.per_leaf()[i]
-                                      for i in self._others)):
-      per_leaf[i] = values[start:start + part.size]
-      start += part.size
+    for i in self._others:
+      per_leaf[i] = values[start:start + self._parts[i].size]
+      start += self._parts[i].size
     if not per_leaf:
       return []
-    return self.measured.to_leaves(
-        jnp.concatenate([per_leaf[i] for i in range(len(per_leaf))]))
+    return self.measured.to_leaves(jnp.concatenate([
+        _everywhere(per_leaf[i], local.shape, whole) for i, (local, whole) in
+        enumerate(zip(self.measured.here(), self.measured.unit_shapes()))]))
 
 
 def measure_joint(fn: str, tree: PyTree, p, where: Where, expert_axis: PyTree,

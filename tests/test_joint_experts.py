@@ -1,0 +1,364 @@
+"""One expert clipped by the norm of all its tensors:
+``clip_by_norm(joint_experts=True)``.
+
+Expert ``e`` (of layer ``l``) owns a slice of every leaf with an expert
+axis (``router[l, :, e]``, ``w_in[l, e]``, ``w_out[e, l]``); its joint
+norm is the ``ord``-norm of all those entries together, and each of its
+slices is scaled by ``min(1, max_norm / (norm + eps))``. Checked against
+float64 numpy written from that definition, against torchtitan's
+expert-parallel arithmetic (``_clip_grad_norm_with_ep``: the EP norm and the
+non-EP norm combined into the total), eager, jitted and under
+``shard_map`` on the 8 host devices (one all-reduce), in bfloat16, with
+zero and empty experts, a mask and non-finite gradients.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import f64, hlo_ops, make_mesh, np_factor, np_norm, shard
+from jax import shard_map
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optaxclip as oc
+
+L, E, D, H = 2, 4, 4, 2  # layers, experts, model and expert hidden widths
+
+
+def moe_tree(stacked: bool = True, seed: int = 0, dtype=np.float32) -> dict:
+  """A router (row ``e`` of its expert axis: expert ``e``'s gate), experts'
+  in and out kernels (``w_out`` stacks experts before layers: the units
+  are transposed to ``[layers, experts]``), a dense leaf and an int step;
+  the experts' scales spread so that some are clipped, not all."""
+  rng = np.random.default_rng(seed)
+  spread = np.linspace(0.5, 2.0, E)
+
+  def leaf(shape, axis):
+    x = rng.normal(size=shape)
+    if axis is not None:
+      x = x * np.expand_dims(spread, [a for a in range(len(shape)) if a != axis])
+    return np.asarray(x, dtype)
+  if stacked:
+    return {"router": leaf((L, D, E), 2), "w_in": leaf((L, E, D, H), 1),
+            "w_out": leaf((E, L, H, D), 0), "dense": leaf((L, D), None),
+            "step": np.int32(7)}
+  return {"router": leaf((D, E), 1), "w_in": leaf((E, D, H), 0),
+          "w_out": leaf((E, H, D), 0), "dense": leaf((D, D), None),
+          "step": np.int32(7)}
+
+
+def axes(stacked: bool = True) -> tuple[dict, dict | None]:
+  """``(expert_axis, layer_axis)`` of ``moe_tree(stacked)``."""
+  if stacked:
+    return ({"router": 2, "w_in": 1, "w_out": 0, "dense": None, "step": None},
+            {"router": 0, "w_in": 0, "w_out": 1, "dense": 0, "step": None})
+  return {"router": 1, "w_in": 0, "w_out": 0, "dense": None, "step": None}, None
+
+
+def np_joint(tree: dict, stacked: bool = True, ord=2, leaves=None) -> np.ndarray:
+  """Each expert's float64 ``ord``-norm over its slices of every leaf with
+  an expert axis (of ``leaves``, default all): ``[layers, experts]`` or
+  ``[experts]``, from the definition."""
+  experts, layers = axes(stacked)
+  names = [k for k in (leaves or experts) if experts[k] is not None]
+  grid = (L, E) if stacked else (E,)
+  out = np.zeros(grid)
+  for index in np.ndindex(*grid):
+    parts = []
+    for k in names:
+      x = f64(tree[k])
+      if stacked:
+        x = np.moveaxis(x, [layers[k], experts[k]], [0, 1])
+      else:
+        x = np.moveaxis(x, experts[k], 0)
+      parts.append(x[index])
+    out[index] = np_norm(parts, ord)
+  return out
+
+
+def np_scaled(tree: dict, factors: np.ndarray, name: str,
+              stacked: bool = True) -> np.ndarray:
+  """Leaf ``name`` with each expert's slice times its factor."""
+  experts, layers = axes(stacked)
+  x = f64(tree[name])
+  if stacked:
+    moved = np.moveaxis(x, [layers[name], experts[name]], [0, 1])
+    extra = (1,) * (x.ndim - 2)
+    return np.moveaxis(moved * factors.reshape(factors.shape + extra), [0, 1],
+                       [layers[name], experts[name]])
+  moved = np.moveaxis(x, experts[name], 0)
+  return np.moveaxis(moved * factors.reshape((E,) + (1,) * (x.ndim - 1)), 0,
+                     experts[name])
+
+
+def limit(stacked: bool, ord) -> float:
+  """Half of the experts above it: some clipped, not all."""
+  return float(np.median(np_joint(moe_tree(stacked), stacked, ord)))
+
+
+ORDS = [2, 1, 3, math.inf]
+EPS = 1e-6
+
+
+def joint(stacked: bool, ord=2, eps=0.0, **kw):
+  experts, layers = axes(stacked)
+  return oc.clip_by_norm(limit(stacked, ord), ord=ord, eps=eps, expert_axis=experts,
+                         layer_axis=layers, joint_experts=True, **kw)
+
+
+def step(txs, tree):
+  return {name: tx.update(tree, tx.init(tree), tree) for name, tx in txs.items()}
+
+
+def joint_transforms(stacked: bool) -> dict:
+  txs = {f"ord={ord}": joint(stacked, ord) for ord in ORDS}
+  txs["eps"] = joint(stacked, 2, EPS)
+  return txs
+
+
+@functools.cache
+def joint_results(stacked: bool):
+  """Every order (and the eps form) in one compiled step."""
+  host = moe_tree(stacked)
+  return host, jax.jit(functools.partial(step, joint_transforms(stacked)))(host)
+
+
+# --------------------------------------------------------------------------
+# Against the definition
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["layers_x_experts", "experts"])
+@pytest.mark.parametrize("name", [f"ord={ord}" for ord in ORDS] + ["eps"])
+def test_joint_norms_and_clipping_match_numpy(stacked, name):
+  host, got = joint_results(stacked)
+  ord = 2 if name == "eps" else float(name[4:])
+  eps = EPS if name == "eps" else 0.0
+  out, state = got[name]
+  norms = np_joint(host, stacked, ord)
+  np.testing.assert_allclose(state.expert_norms, norms, rtol=3e-6)
+  factors = np_factor(norms, limit(stacked, ord), eps)
+  assert 0 < factors.min() < factors.max() == 1, "some experts clipped, not all"
+  for k in ("router", "w_in", "w_out"):
+    np.testing.assert_allclose(out[k], np_scaled(host, factors, k, stacked),
+                               rtol=3e-6, err_msg=k)
+  # A leaf without an expert axis is clipped on its own, per layer.
+  dense = f64(host["dense"])
+  own = (np.array([np_norm([row], ord) for row in dense]) if stacked
+         else np.array(np_norm([dense], ord)))
+  want = dense * (np_factor(own, limit(stacked, ord), eps)[:, None] if stacked
+                  else np_factor(own, limit(stacked, ord), eps))
+  np.testing.assert_allclose(out["dense"], want, rtol=3e-6)
+  np.testing.assert_array_equal(out["step"], host["step"])
+  np.testing.assert_allclose(state.norm, max(norms.max(), own.max()), rtol=3e-6)
+  np.testing.assert_allclose(state.scale, factors.min(), rtol=3e-6)
+  assert int(state.clipped_count) == 1
+
+
+def test_eager_and_functional_equal_the_jitted():
+  host, got = joint_results(True)
+  tx = joint(True)
+  eager = tx.update(host, tx.init(host))
+  experts, layers = axes(True)
+  functional = oc.functional.clip_by_norm(
+      host, limit(True, 2), expert_axis=experts, layer_axis=layers,
+      joint_experts=True)
+  for out in (eager[0], functional):
+    for k in ("router", "w_in", "w_out", "dense"):
+      np.testing.assert_allclose(out[k], got["ord=2"][0][k], rtol=1e-6, err_msg=k)
+  np.testing.assert_allclose(eager[1].expert_norms, got["ord=2"][1].expert_norms,
+                             rtol=1e-6)
+
+
+def test_stats_name_each_layer_and_expert():
+  host, got = joint_results(True)
+  stats = oc.stats(got["ord=2"][1])
+  keys = [k for k in stats if k.startswith("clip/expert_norm/")]
+  assert sorted(keys) == sorted(f"clip/expert_norm/{i}/{j}"
+                                for i in range(L) for j in range(E))
+  norms = np_joint(host)
+  np.testing.assert_allclose(stats["clip/expert_norm/1/2"], norms[1, 2], rtol=3e-6)
+  flat = oc.stats(joint_results(False)[1]["ord=2"][1])
+  assert sorted(k for k in flat if "expert_norm" in k) == [
+      f"clip/expert_norm/{j}" for j in range(E)]
+  assert "clip/expert_norm" not in str(list(oc.stats(
+      oc.clip_by_norm(1.0).init({"w": jnp.ones(2)}))))
+
+
+def test_state_shapes_are_fixed_at_init():
+  host, got = joint_results(True)
+  tx = joint(True)
+  specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
+                       host)
+  fresh = tx.init(specs)
+  assert fresh.expert_norms.shape == (L, E) and fresh.expert_norms.dtype == jnp.float32
+  for a, b in zip(jax.tree.leaves(fresh), jax.tree.leaves(got["ord=2"][1]), strict=True):
+    assert a.shape == b.shape and a.dtype == b.dtype
+
+
+@pytest.mark.parametrize("ord", [2, math.inf])
+def test_torchtitan_expert_parallel_arithmetic(ord):
+  # torchtitan's _clip_grad_norm_with_ep: the EP parameters' total norm (a
+  # norm of per-tensor norms) and the others', combined as (a^p + b^p)^(1/p)
+  # (max for inf). The experts' joint norms partition the EP norm exactly.
+  host, got = joint_results(True)
+  state = got[f"ord={ord}"][1]
+  ep = ["router", "w_in", "w_out"]
+
+  def total_norm(names):  # torch.nn.utils.get_total_norm, in float64
+    return np_norm([np.array([np_norm([host[k]], ord) for k in names])], ord)
+  ep_norm, non_ep_norm = total_norm(ep), total_norm(["dense"])
+  np.testing.assert_allclose(np_norm([state.expert_norms], ord), ep_norm, rtol=3e-6)
+  total = (max(ep_norm, non_ep_norm) if ord == math.inf
+           else (ep_norm ** ord + non_ep_norm ** ord) ** (1 / ord))
+  np.testing.assert_allclose(oc.functional.global_norm(host, ord), total, rtol=3e-6)
+
+
+# --------------------------------------------------------------------------
+# Dtypes, edge cases, the mask, non-finite gradients
+
+def test_bfloat16_keeps_dtype_and_float32_norms():
+  host = moe_tree(True, seed=1, dtype=jnp.bfloat16)
+  out, state = jax.jit(lambda t: joint(True).update(t, None))(host)
+  norms = np_joint(host)  # of the bfloat16 values as stored
+  np.testing.assert_allclose(state.expert_norms, norms, rtol=3e-6)
+  factors = np_factor(norms, limit(True, 2))
+  for k in ("router", "w_in", "w_out"):
+    assert out[k].dtype == jnp.bfloat16
+    np.testing.assert_allclose(f64(out[k]), np_scaled(host, factors, k), rtol=2 ** -8)
+
+
+def test_zero_and_empty_experts():
+  experts, layers = axes(True)
+  tree = moe_tree(True)
+  tree["w_in"][:, 1] = 0.0
+  tree["w_out"][1] = 0.0
+  tree["router"][..., 1] = 0.0  # expert 1 has no gradient at all
+  tx = oc.clip_by_norm(0.5, expert_axis=experts, layer_axis=layers, joint_experts=True)
+  out, state = jax.jit(tx.update)(tree, tx.init(tree))
+  np.testing.assert_array_equal(state.expert_norms[:, 1], 0.0)
+  assert np.isfinite(out["w_in"]).all() and (np.asarray(out["w_in"])[:, 1] == 0).all()
+  floats = {k: jnp.zeros_like(v) for k, v in tree.items() if k != "step"}
+  grads = jax.grad(lambda t: sum(jnp.sum(x) for x in jax.tree.leaves(
+      oc.functional.clip_by_norm(t, 0.5, expert_axis=experts, layer_axis=layers,
+                                 joint_experts=True))))(floats | {"step": None})
+  assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+  # No experts at all (an empty expert axis), and experts of no entries.
+  for shape in ((L, 0, D, H), (L, E, 0, H)):
+    empty = {"w_in": jnp.zeros(shape), "dense": jnp.ones((L, D))}
+    axis = {"w_in": 1, "dense": None}
+    tx = oc.clip_by_norm(1.0, expert_axis=axis, layer_axis=0, joint_experts=True)
+    out, state = tx.update(empty, tx.init(empty))
+    assert state.expert_norms.shape == shape[:2]
+    np.testing.assert_array_equal(state.expert_norms, 0.0)
+    np.testing.assert_allclose(out["dense"], 1 / math.sqrt(D), rtol=1e-6)
+
+
+def test_masked_router_is_out_of_the_joint_norms():
+  tree = moe_tree(True)
+  tree["router"] = tree["router"] * 1000.0  # a frozen router's large gradients
+  tx = joint(True, mask={"router": False, "w_in": True, "w_out": True, "dense": True,
+                         "step": True})
+  out, state = jax.jit(tx.update)(tree, tx.init(tree))
+  norms = np_joint(tree, leaves=["w_in", "w_out"])
+  np.testing.assert_allclose(state.expert_norms, norms, rtol=3e-6)
+  np.testing.assert_array_equal(out["router"], tree["router"])
+  np.testing.assert_allclose(out["w_in"], np_scaled(tree, np_factor(norms, limit(True, 2)),
+                                                    "w_in"), rtol=3e-6)
+
+
+@pytest.mark.parametrize("mode", ["zero", "propagate"])
+def test_a_nonfinite_expert(mode):
+  tree = moe_tree(True)
+  tree["w_out"][2, 1, 0, 0] = np.nan
+  tx = joint(True, nonfinite=mode)
+  out, state = jax.jit(tx.update)(tree, tx.init(tree))
+  assert int(state.nonfinite_count) == 1 and int(state.count) == 1
+  assert np.isnan(state.expert_norms[1, 2])
+  assert np.isfinite(np.delete(np.asarray(state.expert_norms).ravel(), 1 * E + 2)).all()
+  if mode == "zero":
+    assert all((np.asarray(x) == 0).all() for k, x in out.items() if k != "step")
+  else:  # NaN reaches that expert's slices only
+    assert np.isnan(np.asarray(out["w_in"])[1, 2]).all()
+    assert np.isfinite(np.asarray(out["w_in"])[0]).all()
+  with pytest.raises(Exception, match=r"w_out"):
+    jax.block_until_ready(joint(True, nonfinite="raise").update(tree, None))
+
+
+BAD = [
+    (dict(joint_experts=True), ValueError, r"clip_by_norm\(joint_experts=True\)` needs "
+     r"`expert_axis=`"),
+    (dict(joint_experts=1, expert_axis=0), TypeError, r"joint_experts=\.\.\.\)` must be a bool"),
+    (dict(joint_experts=True, expert_axis={"a": 0, "b": 0}), ValueError,
+     r"leaf \['a'\] of shape \(4, 3\) stacks 4 experts but leaf \['b'\] of shape "
+     r"\(3, 2\) stacks 3"),
+    (dict(joint_experts=True, expert_axis={"a": 0, "b": 0}, layer_axis={"a": 1, "b": None}),
+     ValueError, r"leaf \['a'\] of shape \(4, 3\) stacks layers but leaf \['b'\] .* does not"),
+    (dict(joint_experts=True, expert_axis={"a": 2, "b": 0}), ValueError,
+     r"expert_axis=2\)` is out of range for leaf \['a'\] of shape \(4, 3\)"),
+]
+
+
+@pytest.mark.parametrize(("kw", "error", "match"), BAD,
+                         ids=["no_axis", "not_bool", "experts", "layers", "range"])
+@pytest.mark.parametrize("form", ["transform", "functional"])
+def test_bad_arguments_name_the_argument(kw, error, match, form):
+  tree = {"a": jnp.ones((4, 3)), "b": jnp.ones((3, 2))}
+  with pytest.raises(error, match=match):
+    if form == "functional":
+      oc.functional.clip_by_norm(tree, 1.0, **kw)
+    else:
+      oc.clip_by_norm(1.0, **kw).init(tree)
+
+
+# --------------------------------------------------------------------------
+# Sharded experts: experts split over "expert" (w_in's layers over "data",
+# w_out's hidden axis over "data"), the router (with its expert axis)
+# replicated. Each device's units arrive in blocks, device by device; the
+# joint norms line them up expert by expert.
+
+AXES = ("data", "expert")
+SPECS = {"router": P(), "w_in": P("data", "expert"), "w_out": P("expert", None, "data"),
+         "dense": P(None, "data"), "step": P()}
+
+
+def test_shard_map_equals_the_unsharded():
+  host, want = joint_results(True)
+  txs = {"ord=2": joint(True, axis_name=AXES, specs=SPECS),
+         "ord=1.0": joint(True, 1, axis_name=AXES, specs=SPECS)}
+  mesh = make_mesh((2, 4), AXES)
+  out_specs = {name: (SPECS, jax.tree.map(lambda _: P(), want["ord=2"][1])) for name in txs}
+  f = jax.jit(shard_map(functools.partial(step, txs), mesh=mesh, in_specs=(SPECS,),
+                        out_specs=out_specs))
+  got = f(shard(host, mesh, SPECS))
+  for name in txs:
+    jax.tree.map(lambda g, w, name=name: np.testing.assert_allclose(
+        np.asarray(g), np.asarray(w), rtol=3e-6, err_msg=name),
+        got[name], want["ord=1" if name == "ord=1.0" else name])
+
+
+def test_sharded_experts_take_one_all_reduce():
+  tx = joint(True, axis_name=AXES, specs=SPECS)
+  mesh = make_mesh((2, 4), AXES)
+  tree = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(
+      np.shape(x), np.asarray(x).dtype, sharding=NamedSharding(mesh, s)), moe_tree(True),
+      SPECS)
+  f = shard_map(lambda t: tx.update(t, tx.init(t)), mesh=mesh, in_specs=(SPECS,),
+                out_specs=(SPECS, P()), check_vma=False)
+  main, _ = hlo_ops(jax.jit(f).lower(tree).compile().as_text(), "all-reduce")
+  assert main == 1
+
+
+def test_optax_chain_and_inject_hyperparams():
+  experts, layers = axes(True)
+  tx = optax.chain(optax.inject_hyperparams(oc.clip_by_norm, static_args=(
+      "expert_axis", "layer_axis", "joint_experts"))(
+      max_norm=1.0, expert_axis=experts, layer_axis=layers, joint_experts=True),
+      optax.sgd(1.0))
+  host = moe_tree(True)
+  _, state = jax.jit(tx.update)(host, tx.init(host), host)
+  np.testing.assert_allclose(oc.stats(state)["clip/expert_norm/0/3"], np_joint(host)[0, 3],
+                             rtol=3e-6)
