@@ -242,7 +242,7 @@ def _norm_clipper(fn: str, max_norm, p, eps, where: _core.Where,
   def init_fn(params):
     _core.unit_shapes(fn, params, layers)  # a layer axis that fits, or an error
     subset.flags(fn, params, only)  # a scale_only that fits, or an error
-    experts = (_core.joint_shape(fn, params, where, *stacks)
+    experts = (_core.joint_shapes(fn, params, where, *stacks).get("", (0,))
                if joint_experts else None)
     return init_clip_state(fn, params, kept=layers if leaf_norms else None,
                            floor=floor, experts=experts)
@@ -365,6 +365,8 @@ def clip_by_global_norm(max_norm: Scalar | dict[str, Scalar], *, ord: Ord = 2,
     groups: labels (a tree prefix of strings, as ``optax.partition``'s, or a
       callable of the updates): each group is clipped by its own norm, from
       one pass; the state is then a ``GroupClipState`` (``clip/<label>/...``).
+      An ``optaxclip.along(label, axis)`` label splits its group along that
+      axis: one norm per expert (and layer) over all its tensors.
     floor: the stall guard: steps whose factor falls under it are counted
       (``clip/floor_count``; the smallest factor is ``clip/min_scale``), a
       number in [0, 1] or None (not counted); docs/muon.md.

@@ -21,7 +21,7 @@ leaf norms, combined in one fixed order).
 """
 
 from optaxclip._core._joint import Joint as Joint
-from optaxclip._core._joint import joint_shape as joint_shape
+from optaxclip._core._joint import joint_shapes as joint_shapes
 from optaxclip._core._joint import measure_joint as measure_joint
 from optaxclip._core._kept import PER_LEAF as PER_LEAF
 from optaxclip._core._kept import TOTAL as TOTAL

@@ -35,34 +35,39 @@ class _Member(NamedTuple):
 
 
 class _Plan(NamedTuple):
-  grid: tuple[int, ...]  # [layers, experts] or [experts]; (0,): no experts
+  grid: tuple[int, ...]  # [layers, experts] or [experts]
   members: tuple[_Member, ...]
 
 
-def _plan(fn: str, tree: PyTree, shapes: list[tuple[int, ...]],
-          expert_axis: PyTree, layer_axis: PyTree) -> _Plan:
-  """Which leaves join, and the grid they share; a ValueError naming the
-  leaves whose experts (or layers) do not line up."""
+Labels = list[str] | None  # per clippable leaf, the group its experts join
+
+
+def _plans(fn: str, tree: PyTree, shapes: list[tuple[int, ...]],
+           expert_axis: PyTree, layer_axis: PyTree, labels: Labels = None,
+           arg: str = "expert_axis") -> dict[str, _Plan]:
+  """Per label (``labels``: each clippable leaf's, default ``""`` for all),
+  the leaves with an expert axis that join it and the grid they share; a
+  ValueError naming two leaves whose experts (or layers) do not line up."""
   by_expert = layer_keep(fn, tree, expert_axis, "expert_axis", "experts")
   by_layer = layer_keep(fn, tree, layer_axis) or ((),) * len(shapes)
   paths = [path for path, _ in _tree.clippable_leaves_with_paths(tree)]
-  members: list[_Member] = []
-  grid: tuple[int, ...] | None = None
-  first = 0
+  members: dict[str, list[_Member]] = {}
+  grids: dict[str, tuple[tuple[int, ...], int]] = {}
   for i, (expert, layer) in enumerate(zip(by_expert or (), by_layer)):
     if not expert:
       continue
-    shape = shapes[i]
-    mine = tuple(shape[a] for a in layer + expert)
-    if grid is None:
-      grid, first = mine, i
-    elif mine != grid:
-      raise ValueError(_mismatch(fn, paths, shapes, first, i, grid, mine))
-    members.append(_Member(i, bool(layer) and layer[0] > expert[0]))
-  return _Plan(grid or (0,), tuple(members))
+    label = "" if labels is None else labels[i]
+    mine = tuple(shapes[i][a] for a in layer + expert)
+    grid, first = grids.setdefault(label, (mine, i))
+    if mine != grid:
+      raise ValueError(_mismatch(fn, arg, paths, shapes, first, i, grid, mine))
+    members.setdefault(label, []).append(
+        _Member(i, bool(layer) and layer[0] > expert[0]))
+  return {label: _Plan(grids[label][0], tuple(group))
+          for label, group in members.items()}
 
 
-def _mismatch(fn: str, paths: list[str], shapes: list[tuple[int, ...]],
+def _mismatch(fn: str, arg: str, paths: list[str], shapes: list[tuple[int, ...]],
               first: int, i: int, grid: tuple[int, ...],
               mine: tuple[int, ...]) -> str:
   """The error for leaf ``i`` whose experts (``mine``) do not line up with
@@ -77,7 +82,7 @@ def _mismatch(fn: str, paths: list[str], shapes: list[tuple[int, ...]],
             f"stacks {mine[-1]}")
   else:
     says = f"{leaf(first)} stacks {grid[0]} layers but {leaf(i)} stacks {mine[0]}"
-  return (f"`{fn}(expert_axis=...)`: {says}; an expert is joined across the "
+  return (f"`{fn}({arg}=...)`: {says}; an expert is joined across the "
           f"leaves with an expert axis, so each must stack as many experts "
           f"(and layers, with layer_axis); give None to leaves outside")
 
@@ -91,13 +96,16 @@ def _shapes_at_init(fn: str, tree: PyTree, where: Where) -> list[tuple[int, ...]
     return [tuple(np.shape(x)) for x in _tree.clippable_leaves(tree)]
 
 
-def joint_shape(fn: str, tree: PyTree, where: Where, expert_axis: PyTree,
-                layer_axis: PyTree = None) -> tuple[int, ...]:
-  """The shape of the joint norms of ``tree``'s experts, without measuring:
-  ``[layers, experts]``, ``[experts]``, or ``[0]`` where no leaf stacks
-  experts (a state's shape at ``init``)."""
+def joint_shapes(fn: str, tree: PyTree, where: Where, expert_axis: PyTree,
+                 layer_axis: PyTree = None, labels: Labels = None,
+                 arg: str = "expert_axis") -> dict[str, tuple[int, ...]]:
+  """Per label, the shape of its experts' joint norms, without measuring:
+  ``[layers, experts]`` or ``[experts]`` (a state's shapes at ``init``).
+  Without ``labels``, one group labelled ``""`` (none if no leaf stacks
+  experts)."""
   shapes = _shapes_at_init(fn, tree, where)
-  return _plan(fn, tree, shapes, expert_axis, layer_axis).grid
+  plans = _plans(fn, tree, shapes, expert_axis, layer_axis, labels, arg)
+  return {label: plan.grid for label, plan in plans.items()}
 
 
 def _blocks(local: tuple[int, ...], whole: tuple[int, ...]) -> list[int]:
@@ -135,47 +143,56 @@ class Joint:
   leaf's own units (per leaf, per layer), from one pass.
 
   Attributes:
-    norms: the joint norms, ``[layers, experts]`` (``[experts]``; ``[0]``
-      where no leaf stacks experts), every device's: the same on each.
-    units: the joint norms (in C order), then the other leaves' units in
-      tree order: what ``to_leaves`` takes one value of each.
+    grids: per label, its experts' joint norms, ``[layers, experts]``
+      (``[experts]``), every device's: the same on each.
+    norms: the grid of the one label ``""`` (``[0]`` if no leaf stacks
+      experts).
+    others: the clippable leaves outside every group, by index.
+    units: the grids' norms (label by label, each in C order), then the
+      units of the ``others`` (per leaf, per layer), leaf by leaf: what
+      ``to_leaves`` takes one value of each.
     measured: the per-slice measure (each leaf's own per-expert norms).
   """
 
-  def __init__(self, measured: Measured, plan: _Plan, p):
-    self.measured, self._plan = measured, plan
-    parts = [_whole(part, local.shape, whole) for part, local, whole in
-             zip(measured.per_leaf(), measured.here(), measured.unit_shapes())]
-    self._parts = parts
-    grids = [self._as_grid(parts[m.index], m) for m in plan.members]
-    if not grids or not grids[0].size:
-      self.norms = jnp.zeros(plan.grid, parts[0].dtype if parts else jnp.float32)
-    elif len(grids) == 1:
-      self.norms = grids[0]
-    else:  # the norm over the leaves of each expert's slice norms
-      stacked = jnp.stack([g.reshape(-1) for g in grids])
-      self.norms = unit_norms([stacked], p, LOCAL, ((1,),)).reshape(plan.grid)
-    joined = {m.index for m in plan.members}
-    self._others = [i for i in range(len(parts)) if i not in joined]
+  def __init__(self, measured: Measured, plans: dict[str, _Plan], p):
+    self.measured, self._plans = measured, plans
+    self._parts = [_whole(part, local.shape, whole) for part, local, whole in
+                   zip(measured.per_leaf(), measured.here(),
+                       measured.unit_shapes())]
+    self.grids = {label: self._joined(plan, p) for label, plan in plans.items()}
+    dtype = self._parts[0].dtype if self._parts else jnp.float32
+    self.norms = self.grids.get("", jnp.zeros([0], dtype))
+    joined = {m.index for plan in plans.values() for m in plan.members}
+    self.others = [i for i in range(len(self._parts)) if i not in joined]
     self.units = jnp.concatenate(
-        [self.norms.reshape(-1)] + [parts[i] for i in self._others])
+        [grid.reshape(-1) for grid in self.grids.values()]
+        + [self._parts[i] for i in self.others] + [jnp.zeros([0], dtype)])
 
-  def _as_grid(self, units: jax.Array, member: _Member) -> jax.Array:
-    grid = self._plan.grid
-    if member.swapped:
-      return units.reshape(grid[::-1]).T
-    return units.reshape(grid)
+  def _joined(self, plan: _Plan, p) -> jax.Array:
+    """The norm over the members of each expert's slice norms."""
+    grids = [self._parts[m.index].reshape(plan.grid[::-1]).T if m.swapped
+             else self._parts[m.index].reshape(plan.grid) for m in plan.members]
+    if len(grids) == 1 or not grids[0].size:
+      return grids[0]
+    stacked = jnp.stack([g.reshape(-1) for g in grids])
+    return unit_norms([stacked], p, LOCAL, ((1,),)).reshape(plan.grid)
+
+  def unit_counts(self) -> list[int]:
+    """Per leaf of ``others``, how many units it has (over all devices)."""
+    return [self._parts[i].size for i in self.others]
 
   def to_leaves(self, values: jax.Array) -> list[jax.Array]:
     """``values`` (one per entry of ``units``) laid onto the leaves: an
     expert's value on its slice of every leaf that joins it."""
-    size = int(np.prod(self._plan.grid))
-    grid = values[:size].reshape(self._plan.grid)
     per_leaf: dict[int, jax.Array] = {}
-    for member in self._plan.members:
-      per_leaf[member.index] = (grid.T if member.swapped else grid).reshape(-1)
-    start = size
-    for i in self._others:
+    start = 0
+    for plan in self._plans.values():
+      size = int(np.prod(plan.grid))
+      grid = values[start:start + size].reshape(plan.grid)
+      start += size
+      for m in plan.members:
+        per_leaf[m.index] = (grid.T if m.swapped else grid).reshape(-1)
+    for i in self.others:
       per_leaf[i] = values[start:start + self._parts[i].size]
       start += self._parts[i].size
     if not per_leaf:
@@ -186,10 +203,14 @@ class Joint:
 
 
 def measure_joint(fn: str, tree: PyTree, p, where: Where, expert_axis: PyTree,
-                  layer_axis: PyTree = None) -> Joint:
+                  layer_axis: PyTree = None, labels: Labels = None,
+                  arg: str = "expert_axis") -> Joint:
   """Every expert's joint ``p``-norm over its slices of the leaves
-  ``expert_axis`` gives an axis (per layer with ``layer_axis``), and every
-  other leaf's own norms, from one pass and one all-reduce."""
+  ``expert_axis`` gives an axis (per layer with ``layer_axis``; per label
+  with ``labels``, each clippable leaf's), and every other leaf's own
+  norms, from one pass and one all-reduce (``arg``: the argument that gave
+  the expert axes, for errors)."""
   measured = measure(fn, tree, p, where, experts(expert_axis, layer_axis))
-  plan = _plan(fn, tree, measured.shapes, expert_axis, layer_axis)
-  return Joint(measured, plan, p)
+  plans = _plans(fn, tree, measured.shapes, expert_axis, layer_axis, labels,
+                 arg)
+  return Joint(measured, plans, p)
