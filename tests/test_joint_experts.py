@@ -115,9 +115,24 @@ def step(txs, tree):
   return {name: tx.update(tree, tx.init(tree), tree) for name, tx in txs.items()}
 
 
+def groups(stacked: bool) -> dict:
+  """``groups=`` labels: the experts' leaves split along their expert axes,
+  the dense leaf a plain group."""
+  experts, _ = axes(stacked)
+  return {k: "dense" if k == "dense" else oc.along("experts", experts[k])
+          for k in ("router", "w_in", "w_out", "dense")} | {"step": "dense"}
+
+
+def along_groups(stacked: bool, ord=2, **kw):
+  return oc.clip_by_global_norm({"experts": limit(stacked, ord), "dense": 1.0}, ord=ord,
+                                groups=groups(stacked), layer_axis=axes(stacked)[1], **kw)
+
+
 def joint_transforms(stacked: bool) -> dict:
-  txs = {f"ord={ord}": joint(stacked, ord) for ord in ORDS}
+  txs = {f"ord={float(ord)}": joint(stacked, ord) for ord in ORDS}
   txs["eps"] = joint(stacked, 2, EPS)
+  txs["along"] = along_groups(stacked)
+  txs["along/ord=1"] = along_groups(stacked, 1)
   return txs
 
 
@@ -132,7 +147,7 @@ def joint_results(stacked: bool):
 # Against the definition
 
 @pytest.mark.parametrize("stacked", [True, False], ids=["layers_x_experts", "experts"])
-@pytest.mark.parametrize("name", [f"ord={ord}" for ord in ORDS] + ["eps"])
+@pytest.mark.parametrize("name", [f"ord={float(ord)}" for ord in ORDS] + ["eps"])
 def test_joint_norms_and_clipping_match_numpy(stacked, name):
   host, got = joint_results(stacked)
   ord = 2 if name == "eps" else float(name[4:])
@@ -168,20 +183,20 @@ def test_eager_and_functional_equal_the_jitted():
       joint_experts=True)
   for out in (eager[0], functional):
     for k in ("router", "w_in", "w_out", "dense"):
-      np.testing.assert_allclose(out[k], got["ord=2"][0][k], rtol=1e-6, err_msg=k)
-  np.testing.assert_allclose(eager[1].expert_norms, got["ord=2"][1].expert_norms,
+      np.testing.assert_allclose(out[k], got["ord=2.0"][0][k], rtol=1e-6, err_msg=k)
+  np.testing.assert_allclose(eager[1].expert_norms, got["ord=2.0"][1].expert_norms,
                              rtol=1e-6)
 
 
 def test_stats_name_each_layer_and_expert():
   host, got = joint_results(True)
-  stats = oc.stats(got["ord=2"][1])
+  stats = oc.stats(got["ord=2.0"][1])
   keys = [k for k in stats if k.startswith("clip/expert_norm/")]
   assert sorted(keys) == sorted(f"clip/expert_norm/{i}/{j}"
                                 for i in range(L) for j in range(E))
   norms = np_joint(host)
   np.testing.assert_allclose(stats["clip/expert_norm/1/2"], norms[1, 2], rtol=3e-6)
-  flat = oc.stats(joint_results(False)[1]["ord=2"][1])
+  flat = oc.stats(joint_results(False)[1]["ord=2.0"][1])
   assert sorted(k for k in flat if "expert_norm" in k) == [
       f"clip/expert_norm/{j}" for j in range(E)]
   assert "clip/expert_norm" not in str(list(oc.stats(
@@ -195,7 +210,7 @@ def test_state_shapes_are_fixed_at_init():
                        host)
   fresh = tx.init(specs)
   assert fresh.expert_norms.shape == (L, E) and fresh.expert_norms.dtype == jnp.float32
-  for a, b in zip(jax.tree.leaves(fresh), jax.tree.leaves(got["ord=2"][1]), strict=True):
+  for a, b in zip(jax.tree.leaves(fresh), jax.tree.leaves(got["ord=2.0"][1]), strict=True):
     assert a.shape == b.shape and a.dtype == b.dtype
 
 
@@ -205,7 +220,7 @@ def test_torchtitan_expert_parallel_arithmetic(ord):
   # norm of per-tensor norms) and the others', combined as (a^p + b^p)^(1/p)
   # (max for inf). The experts' joint norms partition the EP norm exactly.
   host, got = joint_results(True)
-  state = got[f"ord={ord}"][1]
+  state = got[f"ord={float(ord)}"][1]
   ep = ["router", "w_in", "w_out"]
 
   def total_norm(names):  # torch.nn.utils.get_total_norm, in float64
@@ -215,6 +230,54 @@ def test_torchtitan_expert_parallel_arithmetic(ord):
   total = (max(ep_norm, non_ep_norm) if ord == math.inf
            else (ep_norm ** ord + non_ep_norm ** ord) ** (1 / ord))
   np.testing.assert_allclose(oc.functional.global_norm(host, ord), total, rtol=3e-6)
+
+
+# --------------------------------------------------------------------------
+# groups= with along(label, axis): the same experts, the other leaves a group
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["layers_x_experts", "experts"])
+@pytest.mark.parametrize("ord", [2, 1])
+def test_along_groups_match_numpy_and_joint_experts(stacked, ord):
+  host, got = joint_results(stacked)
+  out, state = got["along" if ord == 2 else "along/ord=1"]
+  norms = np_joint(host, stacked, ord)
+  experts = state.groups["experts"]
+  np.testing.assert_allclose(experts.expert_norms, norms, rtol=3e-6)
+  factors = np_factor(norms, limit(stacked, ord))
+  for k in ("router", "w_in", "w_out"):
+    np.testing.assert_allclose(out[k], np_scaled(host, factors, k, stacked), rtol=3e-6)
+    if ord == 2:  # the same numbers as clip_by_norm(joint_experts=True)
+      np.testing.assert_array_equal(out[k], got["ord=2.0"][0][k])
+  np.testing.assert_allclose(experts.norm, norms.max(), rtol=3e-6)
+  np.testing.assert_allclose(experts.scale, factors.min(), rtol=3e-6)
+  # A plain group is clipped whole (not per layer) by its own norm.
+  dense = np_norm([host["dense"]], ord)
+  np.testing.assert_allclose(state.groups["dense"].norm, dense, rtol=3e-6)
+  np.testing.assert_allclose(out["dense"], f64(host["dense"]) * np_factor(dense, 1.0),
+                             rtol=3e-6)
+  assert state.groups["dense"].expert_norms is None
+  stats = oc.stats(state)
+  index = "1/2" if stacked else "2"
+  np.testing.assert_allclose(stats[f"clip/experts/expert_norm/{index}"],
+                             norms[(1, 2) if stacked else 2], rtol=3e-6)
+  assert len([k for k in stats if "/expert_norm/" in k]) == norms.size
+
+
+def test_along_groups_keep_leaf_norms_and_zero_one_group():
+  host = moe_tree(True)
+  tx = along_groups(True, leaf_norms=True)
+  _, state = tx.update(host, tx.init(host))
+  stats = oc.stats(state)
+  w_in = np.sqrt((f64(host["w_in"]) ** 2).sum(axis=(2, 3)))  # [layers, experts]
+  np.testing.assert_allclose(stats["clip/layer_norm/w_in/1/2"], w_in[1, 2], rtol=3e-6)
+  bad = moe_tree(True)
+  bad["w_in"][0, 3, 0, 0] = np.inf
+  out, state = along_groups(True, nonfinite="zero").update(bad, None)
+  assert int(state.groups["experts"].nonfinite_count) == 1
+  assert int(state.groups["dense"].nonfinite_count) == 0
+  assert all((np.asarray(out[k]) == 0).all() for k in ("router", "w_in", "w_out"))
+  np.testing.assert_allclose(out["dense"], f64(bad["dense"]) * np_factor(
+      np_norm([bad["dense"]]), 1.0), rtol=3e-6)
 
 
 # --------------------------------------------------------------------------
@@ -302,6 +365,35 @@ BAD = [
 ]
 
 
+E3 = oc.along("e", 0)
+BAD_GROUPS = [
+    (dict(groups={"a": E3, "b": E3}), ValueError,
+     r"clip_by_global_norm\(groups=\.\.\.\)`: leaf \['a'\] of shape \(4, 3\) stacks 4 "
+     r"experts but leaf \['b'\] of shape \(3, 2\) stacks 3"),
+    (dict(groups={"a": oc.along("e", 2), "b": "x"}), ValueError,
+     r"clip_by_global_norm\(groups=\.\.\.\)`: along\('e', axis=2\) is out of range for "
+     r"leaf \['a'\] of shape \(4, 3\)"),
+    (dict(groups={"a": E3, "b": "e"}), ValueError, r"uses \['e'\] both as a plain label "
+     r"and in along\(\)"),
+    (dict(groups={"a": E3, "b": "x"}, expert_axis=0), ValueError,
+     r"with along\(\) labels in `groups=`, leave `expert_axis` out"),
+    (dict(groups={"a": E3, "b": 3}), TypeError, r"groups=\.\.\.\)` must hold strings "
+     r"\(group labels\), got 3 of type int, or optaxclip.along\(\) labels"),
+]
+
+
+@pytest.mark.parametrize(("kw", "error", "match"), BAD_GROUPS,
+                         ids=["experts", "range", "both", "expert_axis", "label"])
+def test_bad_along_groups_name_the_argument(kw, error, match):
+  tree = {"a": jnp.ones((4, 3)), "b": jnp.ones((3, 2))}
+  with pytest.raises(error, match=match):
+    oc.clip_by_global_norm(1.0, **kw).init(tree)
+  with pytest.raises(TypeError, match=r"`along\(label=\.\.\.\)` must be a non-empty string"):
+    oc.along("", 0)
+  with pytest.raises(TypeError, match=r"`along\(axis=\.\.\.\)` must be an int .*got True"):
+    oc.along("e", True)
+
+
 @pytest.mark.parametrize(("kw", "error", "match"), BAD,
                          ids=["no_axis", "not_bool", "experts", "layers", "range"])
 @pytest.mark.parametrize("form", ["transform", "functional"])
@@ -327,21 +419,23 @@ SPECS = {"router": P(), "w_in": P("data", "expert"), "w_out": P("expert", None, 
 
 def test_shard_map_equals_the_unsharded():
   host, want = joint_results(True)
-  txs = {"ord=2": joint(True, axis_name=AXES, specs=SPECS),
-         "ord=1.0": joint(True, 1, axis_name=AXES, specs=SPECS)}
+  txs = {"ord=2.0": joint(True, axis_name=AXES, specs=SPECS),
+         "ord=1.0": joint(True, 1, axis_name=AXES, specs=SPECS),
+         "along": along_groups(True, axis_name=AXES, specs=SPECS)}
   mesh = make_mesh((2, 4), AXES)
-  out_specs = {name: (SPECS, jax.tree.map(lambda _: P(), want["ord=2"][1])) for name in txs}
+  out_specs = {name: (SPECS, jax.tree.map(lambda _: P(), want[name][1])) for name in txs}
   f = jax.jit(shard_map(functools.partial(step, txs), mesh=mesh, in_specs=(SPECS,),
                         out_specs=out_specs))
   got = f(shard(host, mesh, SPECS))
   for name in txs:
     jax.tree.map(lambda g, w, name=name: np.testing.assert_allclose(
-        np.asarray(g), np.asarray(w), rtol=3e-6, err_msg=name),
-        got[name], want["ord=1" if name == "ord=1.0" else name])
+        np.asarray(g), np.asarray(w), rtol=3e-6, err_msg=name), got[name], want[name])
 
 
-def test_sharded_experts_take_one_all_reduce():
-  tx = joint(True, axis_name=AXES, specs=SPECS)
+@pytest.mark.parametrize("form", ["joint_experts", "along"])
+def test_sharded_experts_take_one_all_reduce(form):
+  tx = (joint if form == "joint_experts" else along_groups)(True, axis_name=AXES,
+                                                            specs=SPECS)
   mesh = make_mesh((2, 4), AXES)
   tree = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(
       np.shape(x), np.asarray(x).dtype, sharding=NamedSharding(mesh, s)), moe_tree(True),
