@@ -266,13 +266,13 @@ def test_along_groups_match_numpy_and_joint_experts(stacked, ord):
 def test_along_groups_keep_leaf_norms_and_zero_one_group():
   host = moe_tree(True)
   tx = along_groups(True, leaf_norms=True)
-  _, state = tx.update(host, tx.init(host))
+  _, state = jax.jit(tx.update)(host, tx.init(host))
   stats = oc.stats(state)
   w_in = np.sqrt((f64(host["w_in"]) ** 2).sum(axis=(2, 3)))  # [layers, experts]
   np.testing.assert_allclose(stats["clip/layer_norm/w_in/1/2"], w_in[1, 2], rtol=3e-6)
   bad = moe_tree(True)
   bad["w_in"][0, 3, 0, 0] = np.inf
-  out, state = along_groups(True, nonfinite="zero").update(bad, None)
+  out, state = jax.jit(along_groups(True, nonfinite="zero").update)(bad, None)
   assert int(state.groups["experts"].nonfinite_count) == 1
   assert int(state.groups["dense"].nonfinite_count) == 0
   assert all((np.asarray(out[k]) == 0).all() for k in ("router", "w_in", "w_out"))
@@ -305,16 +305,16 @@ def test_zero_and_empty_experts():
   np.testing.assert_array_equal(state.expert_norms[:, 1], 0.0)
   assert np.isfinite(out["w_in"]).all() and (np.asarray(out["w_in"])[:, 1] == 0).all()
   floats = {k: jnp.zeros_like(v) for k, v in tree.items() if k != "step"}
-  grads = jax.grad(lambda t: sum(jnp.sum(x) for x in jax.tree.leaves(
+  grads = jax.jit(jax.grad(lambda t: sum(jnp.sum(x) for x in jax.tree.leaves(
       oc.functional.clip_by_norm(t, 0.5, expert_axis=experts, layer_axis=layers,
-                                 joint_experts=True))))(floats | {"step": None})
+                                 joint_experts=True)))))(floats | {"step": None})
   assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
   # No experts at all (an empty expert axis), and experts of no entries.
   for shape in ((L, 0, D, H), (L, E, 0, H)):
     empty = {"w_in": jnp.zeros(shape), "dense": jnp.ones((L, D))}
     axis = {"w_in": 1, "dense": None}
     tx = oc.clip_by_norm(1.0, expert_axis=axis, layer_axis=0, joint_experts=True)
-    out, state = tx.update(empty, tx.init(empty))
+    out, state = jax.jit(tx.update)(empty, tx.init(empty))
     assert state.expert_norms.shape == shape[:2]
     np.testing.assert_array_equal(state.expert_norms, 0.0)
     np.testing.assert_allclose(out["dense"], 1 / math.sqrt(D), rtol=1e-6)
