@@ -133,6 +133,13 @@ def joint_transforms(stacked: bool) -> dict:
   txs["eps"] = joint(stacked, 2, EPS)
   txs["along"] = along_groups(stacked)
   txs["along/ord=1"] = along_groups(stacked, 1)
+  # torchtitan's split: the experts' weights are the EP parameters, the
+  # router (replicated, as torchtitan's MoE.router.gate) is not.
+  experts, layers = axes(stacked)
+  for ord in (2, math.inf):
+    txs[f"ep/ord={ord}"] = oc.clip_by_norm(
+        limit(stacked, ord), ord=ord, expert_axis=experts | {"router": None},
+        layer_axis=layers, joint_experts=True)
   return txs
 
 
@@ -216,20 +223,29 @@ def test_state_shapes_are_fixed_at_init():
 
 @pytest.mark.parametrize("ord", [2, math.inf])
 def test_torchtitan_expert_parallel_arithmetic(ord):
-  # torchtitan's _clip_grad_norm_with_ep: the EP parameters' total norm (a
-  # norm of per-tensor norms) and the others', combined as (a^p + b^p)^(1/p)
-  # (max for inf). The experts' joint norms partition the EP norm exactly.
+  # torchtitan's _clip_grad_norm_with_ep (torchtitan/distributed/utils.py):
+  # the EP parameters' total norm and the others' (each torch's
+  # get_total_norm: the norm of the per-tensor norms), combined as
+  # (a^p + b^p)^(1/p) (max for inf) into the one norm it clips all by. The
+  # experts' joint norms partition the EP norm exactly; the other leaves'
+  # own norms (the router's and the dense leaf's, per layer) the rest.
   host, got = joint_results(True)
-  state = got[f"ord={float(ord)}"][1]
-  ep = ["router", "w_in", "w_out"]
+  state = got[f"ep/ord={ord}"][1]
 
   def total_norm(names):  # torch.nn.utils.get_total_norm, in float64
     return np_norm([np.array([np_norm([host[k]], ord) for k in names])], ord)
-  ep_norm, non_ep_norm = total_norm(ep), total_norm(["dense"])
+  ep_norm, non_ep_norm = total_norm(["w_in", "w_out"]), total_norm(["router", "dense"])
+  np.testing.assert_allclose(state.expert_norms, np_joint(host, ord=ord, leaves=["w_in",
+                             "w_out"]), rtol=3e-6)
   np.testing.assert_allclose(np_norm([state.expert_norms], ord), ep_norm, rtol=3e-6)
   total = (max(ep_norm, non_ep_norm) if ord == math.inf
            else (ep_norm ** ord + non_ep_norm ** ord) ** (1 / ord))
   np.testing.assert_allclose(oc.functional.global_norm(host, ord), total, rtol=3e-6)
+  # torchtitan then scales every gradient by min(1, c / (total + 1e-6));
+  # clip_grad_norm gives that factor from the same norm.
+  c = 0.5 * total
+  out, _ = jax.jit(oc.clip_grad_norm(c, ord).update)(host, None)
+  np.testing.assert_allclose(out["w_in"], f64(host["w_in"]) * c / (total + 1e-6), rtol=3e-6)
 
 
 # --------------------------------------------------------------------------
