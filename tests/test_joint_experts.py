@@ -14,6 +14,8 @@ zero and empty experts, a mask and non-finite gradients.
 
 import functools
 import math
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +28,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optaxclip as oc
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # benchmarks/_cost.py
+  sys.path.insert(0, str(ROOT))
 
 L, E, D, H = 2, 4, 4, 2  # layers, experts, model and expert hidden widths
 
@@ -460,6 +466,31 @@ def test_sharded_experts_take_one_all_reduce(form):
                 out_specs=(SPECS, P()), check_vma=False)
   main, _ = hlo_ops(jax.jit(f).lower(tree).compile().as_text(), "all-reduce")
   assert main == 1
+
+
+def test_joining_experts_adds_no_pass_over_the_gradients():
+  # XLA's bytes accessed over the tree's bytes (benchmarks/_cost.py, as
+  # tests/test_traffic.py): the joint norms are a norm of the per-expert
+  # slice norms, so the per-expert clip and the joint one read as much, and
+  # along() groups as much as plain groups that keep the same slice norms.
+  from benchmarks import _cost
+
+  tree = {"router": jax.ShapeDtypeStruct((2, 64, 8), jnp.float32),
+          "w_in": jax.ShapeDtypeStruct((2, 8, 64, 32), jnp.float32),
+          "w_out": jax.ShapeDtypeStruct((8, 2, 32, 64), jnp.float32),
+          "dense": jax.ShapeDtypeStruct((2, 64), jnp.float32)}
+  experts, layers = axes(True)
+  experts, layers = ({k: v for k, v in a.items() if k != "step"} for a in (experts, layers))
+  slices = _cost.alone(oc.clip_by_norm(1.0, expert_axis=experts, layer_axis=layers), tree)
+  joined = _cost.alone(oc.clip_by_norm(1.0, expert_axis=experts, layer_axis=layers,
+                                       joint_experts=True), tree)
+  plain = {k: "e" if a is not None else "dense" for k, a in experts.items()}
+  whole = _cost.alone(oc.clip_by_global_norm(  # the same per-expert partial sums
+      1.0, groups=plain, leaf_norms=True, expert_axis=experts, layer_axis=layers), tree)
+  split = _cost.alone(oc.clip_by_global_norm(1.0, layer_axis=layers, groups={
+      k: oc.along("e", a) if a is not None else "dense" for k, a in experts.items()}), tree)
+  assert abs(joined - slices) < 0.01, (joined, slices)
+  assert abs(split - whole) < 0.01, (split, whole)
 
 
 def test_optax_chain_and_inject_hyperparams():
