@@ -489,8 +489,10 @@ def test_joining_experts_adds_no_pass_over_the_gradients():
       1.0, groups=plain, leaf_norms=True, expert_axis=experts, layer_axis=layers), tree)
   split = _cost.alone(oc.clip_by_global_norm(1.0, layer_axis=layers, groups={
       k: oc.along("e", a) if a is not None else "dense" for k, a in experts.items()}), tree)
-  assert abs(joined - slices) < 0.01, (joined, slices)
-  assert abs(split - whole) < 0.01, (split, whole)
+  # A pass is 1.0; joining adds ~0.005 (the rescue kernel) to ~0.03 (the
+  # one-pass kernel forced on the CPU) of small vectors of norms.
+  assert abs(joined - slices) < 0.1, (joined, slices)
+  assert abs(split - whole) < 0.1, (split, whole)
 
 
 def test_optax_chain_and_inject_hyperparams():
