@@ -389,7 +389,7 @@ BAD_ARGUMENTS = [
     # --- experts joined across leaves (issue 32) --------------------------------
     *_rows(["clip_by_norm", "F.clip_by_norm"], "joint_experts", [
         ("yes", TypeError, r" must be a bool \(True or False\), got 'yes'")]),
-    *[(name, {"joint_experts": True}, ValueError, rf"`clip_by_norm\(joint_experts=True\)` "
+    *[(name, {"joint_experts": True}, ValueError, r"`clip_by_norm\(joint_experts=True\)` "
        r"needs `expert_axis=`") for name in ("clip_by_norm", "F.clip_by_norm")],
     ("clip_by_norm.init", {"joint_experts": True, "expert_axis": {"w": 0, "b": 0}},
      ValueError, r"`clip_by_norm\(expert_axis=\.\.\.\)`: leaf \['b'\] of shape \(3,\) "
