@@ -4,7 +4,9 @@
 a tree prefix of the gradients with string leaves, or a callable from the
 gradients (or params) to such a tree. A group's norm is the norm of its
 leaves' norms, so every group comes from one pass over the gradients and
-one all-reduce of the per-leaf partials.
+one all-reduce of the per-leaf partials. A label ``along(label, axis)``
+(``_clip/along.py``) splits its group along an axis: one norm per expert
+over all its tensors, joined by the core (``_core.measure_joint``).
 
 Clipping inside each branch of ``optax.partition`` also clips per group,
 but a plain ``clip_by_global_norm`` there (in every branch) is the usual
