@@ -19,6 +19,7 @@ from optaxclip._attention.qk_clip import QKClipState as QKClipState
 from optaxclip._attention.qk_clip import qk_clip as qk_clip
 from optaxclip._clip.agc import AGCState as AGCState
 from optaxclip._clip.agc import adaptive_grad_clip as adaptive_grad_clip
+from optaxclip._clip.along import along as along
 from optaxclip._clip.block_rms import BlockRMSState as BlockRMSState
 from optaxclip._clip.block_rms import clip_by_block_rms as clip_by_block_rms
 from optaxclip._clip.norm import clip_by_global_norm as clip_by_global_norm
@@ -64,6 +65,7 @@ __all__ = [
     "ZClipState",
     "adagc",
     "adaptive_grad_clip",
+    "along",
     "auto_clip",
     "check_stall",
     "clip_by_block_rms",

@@ -72,6 +72,7 @@ FUNCTIONS = {
     "F.qk_clip": lambda **k: F.qk_clip(
         **{"params": GRADS, "max_logits": jnp.ones(3), "heads": QK_HEADS, **k}),
     "check_stall": lambda **k: oc.check_stall(**{"opt_state": {}, **k}),
+    "along": lambda **k: oc.along(**{"label": "experts", "axis": 0, **k}),
 }
 
 
@@ -394,6 +395,25 @@ BAD_ARGUMENTS = [
     ("clip_by_global_norm.init", {"max_norm": {"a": 1.0}, "groups": {"w": "a", "b": "c"}},
      ValueError, _arg("clip_by_global_norm", "max_norm") + r" has no limit for group "
      r"'c' \(it has \['a'\]\); give every group of `groups=` one"),
+    # --- experts joined across leaves (issue 32) --------------------------------
+    *_rows(["clip_by_norm", "F.clip_by_norm"], "joint_experts", [
+        ("yes", TypeError, r" must be a bool \(True or False\), got 'yes'")]),
+    *[(name, {"joint_experts": True}, ValueError, r"`clip_by_norm\(joint_experts=True\)` "
+       r"needs `expert_axis=`") for name in ("clip_by_norm", "F.clip_by_norm")],
+    ("clip_by_norm.init", {"joint_experts": True, "expert_axis": {"w": 0, "b": 0}},
+     ValueError, r"`clip_by_norm\(expert_axis=\.\.\.\)`: leaf \['b'\] of shape \(3,\) "
+     r"stacks 3 experts but leaf \['w'\] of shape \(2, 3\) stacks 2"),
+    *_rows(["along"], "label", [
+        ("", TypeError, r" must be a non-empty string \(the group's name\), got ''"),
+        (1, TypeError, r" must be a non-empty string \(the group's name\), got 1")]),
+    *_rows(["along"], "axis", [
+        ("1", TypeError, r" must be an int \(the axis that indexes the group's parts\), "
+         r"got '1' of type str"),
+        (1.0, TypeError, r" must be an int .*got 1.0 of type float")]),
+    ("clip_by_global_norm.init", {"groups": {"w": oc.along("e", 1), "b": oc.along("e", 0)},
+                                  "layer_axis": {"w": 0, "b": None}}, ValueError,
+     r"`clip_by_global_norm\(groups=\.\.\.\)`: leaf \['w'\] of shape \(2, 3\) stacks "
+     r"layers but leaf \['b'\] of shape \(3,\) does not"),
     # --- layer_axis: ints (or None) that fit the leaves ------------------------
     *_rows(LAYER_AXIS, "layer_axis", [
         ("0", TypeError, r" must hold ints \(the axis that stacks layers\) or None, "

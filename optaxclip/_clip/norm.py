@@ -7,6 +7,8 @@ PyTorch's and MindSpore's ``min(1, max_norm / (norm + eps))``; one formula,
 so ``eps`` may be injected and traced too (``scaling.clip_factor``).
 """
 
+import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -27,6 +29,7 @@ class _Clipped(NamedTuple):
   norm: jax.Array  # the global norm, or per leaf the largest
   factor: jax.Array  # the factor, or per leaf the smallest
   measured: _core.Measured  # the norms, for the leaf norms a state keeps
+  experts: jax.Array | None = None  # the experts' joint norms
 
 
 def _clip_each(fn: str, tree: PyTree, max_norm, p, eps, where: _core.Where,
@@ -40,6 +43,20 @@ def _clip_each(fn: str, tree: PyTree, max_norm, p, eps, where: _core.Where,
   clipped = scaling.scale_leaves(tree, measured.to_leaves(factors))
   return _Clipped(clipped, jnp.max(measured.units, initial=0),
                   jnp.min(factors, initial=1), measured)
+
+
+def _clip_joint(fn: str, tree: PyTree, max_norm, p, eps, where: _core.Where,
+                kept: _core.Kept, given=None, *, expert_axis: PyTree,
+                layer_axis: PyTree) -> _Clipped:
+  """Every expert (of every layer) clipped by the joint norm of its slices
+  of all leaves with an expert axis; the other leaves each by its own norm
+  (per layer). ``kept`` is the same view (``given`` plays no part)."""
+  del kept, given
+  joint = _core.measure_joint(fn, tree, p, where, expert_axis, layer_axis)
+  factors = scaling.clip_factor(joint.units, max_norm, eps)
+  clipped = scaling.scale_leaves(tree, joint.to_leaves(factors))
+  return _Clipped(clipped, jnp.max(joint.units, initial=0),
+                  jnp.min(factors, initial=1), joint.measured, joint.norms)
 
 
 def _clip_global(fn: str, tree: PyTree, max_norm, p, eps, where: _core.Where,
@@ -56,6 +73,15 @@ def _clip_global(fn: str, tree: PyTree, max_norm, p, eps, where: _core.Where,
   return _Clipped(scaled, measured.total, factor, measured)
 
 
+def _check_joint(fn: str, joint_experts: bool, expert_axis: PyTree) -> bool:
+  _validation.check_bool(fn, "joint_experts", joint_experts)
+  if joint_experts and expert_axis is None:
+    raise ValueError(
+        f"`{fn}(joint_experts=True)` needs `expert_axis=`: the axis that "
+        f"stacks the experts in each leaf (None for leaves outside them)")
+  return bool(joint_experts)
+
+
 def _checked(fn: str, max_norm, ord, eps, axis_name, specs, ord_name="ord"):
   """``(max_norm, p, eps, where)`` checked (clamped when traced)."""
   return (_validation.check_nonnegative(fn, "max_norm", max_norm, allow_inf=True),
@@ -67,7 +93,8 @@ def _checked(fn: str, max_norm, ord, eps, axis_name, specs, ord_name="ord"):
 def clip_by_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
                     eps: Scalar = 0.0, axis_name: AxisName = None,
                     specs: PyTree = None, layer_axis: PyTree = None,
-                    expert_axis: PyTree = None) -> PyTree:
+                    expert_axis: PyTree = None, joint_experts: bool = False
+                    ) -> PyTree:
   """Clips every leaf of ``tree`` by its own ``ord``-norm.
 
   Each floating leaf ``x`` becomes ``x * s``, ``s = max_norm / (norm(x) +
@@ -89,6 +116,9 @@ def clip_by_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
     expert_axis: the axis that stacks experts (as ``layer_axis``): each
       expert's slice (of each layer) is clipped on its own
       ([docs/experts.md](../experts.md)).
+    joint_experts: with ``expert_axis``, each expert (of each layer) is
+      clipped by the norm of all its slices together, across the leaves
+      with an expert axis (its ``w_in[e]``, ``w_out[e]``, router row ``e``).
 
   Returns:
     The clipped tree, with each leaf's dtype.
@@ -102,7 +132,11 @@ def clip_by_norm_fn(tree: PyTree, max_norm: Scalar, *, ord: Ord = 2,
   fn = "clip_by_norm"
   max_norm, p, eps, where = _checked(fn, max_norm, ord, eps, axis_name, specs)
   _validation.check_tree(fn, "the tree", tree)
-  view = _core.experts(*_validation.check_stack_axes(fn, expert_axis, layer_axis))
+  stacks = _validation.check_stack_axes(fn, expert_axis, layer_axis)
+  view = _core.experts(*stacks)
+  if _check_joint(fn, joint_experts, expert_axis):
+    return _clip_joint(fn, tree, max_norm, p, eps, where, view,
+                       expert_axis=stacks[0], layer_axis=stacks[1]).tree
   return _clip_each(fn, tree, max_norm, p, eps, where, view).tree
 
 
@@ -184,28 +218,35 @@ def _norm_clipper(fn: str, max_norm, p, eps, where: _core.Where,
                   nonfinite: NonFinite, *, per_leaf: bool, leaf_norms: bool,
                   layer_axis: PyTree, floor: Scalar | None,
                   only: subset.ScaleOnly = None, expert_axis: PyTree = None,
-                  mask: masking.Mask = None
+                  mask: masking.Mask = None, joint_experts: bool = False
                   ) -> optax.GradientTransformationExtraArgs:
   """The transform: measure -> factor -> scale -> state (``ClipState``).
   ``update(..., grad_norm=...)``: the global norm of these updates,
   measured beforehand (a number, or passed on by ``skip_step`` and
   ``dynamic_loss_scale``): nothing is read to measure it again.
   ``only``: ``scale_only`` (global clippers). ``mask``: leaves kept out of
-  the norm and the clip (``masking``)."""
+  the norm and the clip (``masking``). ``joint_experts``: each expert
+  clipped by the norm of all its tensors (``_clip_joint``)."""
   _validation.check_choice(fn, "nonfinite", nonfinite, on_nonfinite.MODES)
   _validation.check_bool(fn, "leaf_norms", leaf_norms)
-  layers = _core.experts(*_validation.check_stack_axes(fn, expert_axis, layer_axis))
+  stacks = _validation.check_stack_axes(fn, expert_axis, layer_axis)
+  layers = _core.experts(*stacks)
   floor = _checked_floor(fn, floor)
   only = subset.check(fn, only)
   mask = _validation.check_mask(fn, mask)
-  clip = _clip_each if per_leaf else _clip_global
+  clip: Callable[..., _Clipped] = _clip_each if per_leaf else _clip_global
+  if _check_joint(fn, joint_experts, expert_axis):
+    clip = functools.partial(_clip_joint, expert_axis=stacks[0],
+                             layer_axis=stacks[1])
   kept = layers if per_leaf or leaf_norms else _core.TOTAL
 
   def init_fn(params):
     _core.unit_shapes(fn, params, layers)  # a layer axis that fits, or an error
     subset.flags(fn, params, only)  # a scale_only that fits, or an error
+    experts = (_core.joint_shapes(fn, params, where, *stacks).get("", (0,))
+               if joint_experts else None)
     return init_clip_state(fn, params, kept=layers if leaf_norms else None,
-                           floor=floor)
+                           floor=floor, experts=experts)
 
   def update_fn(updates, state, params=None, *, grad_norm=None, **extra_args):
     del params, extra_args
@@ -227,7 +268,8 @@ def _norm_clipper(fn: str, max_norm, p, eps, where: _core.Where,
                                      [factor], [finite])
       out = on_nonfinite.zeroed(nonfinite, out, finite)
     return out, state.after(clipped.norm, factor, finite=finite, floor=floor,
-                            measured=clipped.measured if leaf_norms else None)
+                            measured=clipped.measured if leaf_norms else None,
+                            expert_norms=clipped.experts)
 
   tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
   return tx if mask is None else masking.masked(fn, tx, mask)
@@ -237,8 +279,8 @@ def clip_by_norm(max_norm: Scalar, *, ord: Ord = 2, eps: Scalar = 0.0,
                  axis_name: AxisName = None, specs: PyTree = None,
                  nonfinite: NonFinite = "propagate", layer_axis: PyTree = None,
                  leaf_norms: bool = False, floor: Scalar | None = DEFAULT_FLOOR,
-                 expert_axis: PyTree = None, mask: masking.Mask = None
-                 ) -> optax.GradientTransformation:
+                 expert_axis: PyTree = None, mask: masking.Mask = None,
+                 joint_experts: bool = False) -> optax.GradientTransformation:
   """Clips every leaf of the updates by its own norm.
 
   The transform form of ``optaxclip.functional.clip_by_norm``; its state
@@ -263,6 +305,10 @@ def clip_by_norm(max_norm: Scalar, *, ord: Ord = 2, eps: Scalar = 0.0,
       per layer x expert): each expert is clipped on its own.
     mask: leaves to clip (a tree prefix of bools, or a callable of the
       updates, as ``optax.masked``'s); the others pass through untouched.
+    joint_experts: with ``expert_axis``, each expert (of each layer) is
+      clipped by the norm of all its tensors together (its slices of every
+      leaf with an expert axis); the state keeps these norms
+      (``clip/expert_norm/<layer>/<expert>``; [docs/experts.md](../experts.md)).
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a ``ClipState``.
@@ -279,7 +325,8 @@ def clip_by_norm(max_norm: Scalar, *, ord: Ord = 2, eps: Scalar = 0.0,
   max_norm, p, eps, where = _checked(fn, max_norm, ord, eps, axis_name, specs)
   return _norm_clipper(fn, max_norm, p, eps, where, nonfinite, per_leaf=True,
                        leaf_norms=leaf_norms, layer_axis=layer_axis,
-                       floor=floor, expert_axis=expert_axis, mask=mask)
+                       floor=floor, expert_axis=expert_axis, mask=mask,
+                       joint_experts=joint_experts)
 
 
 def clip_by_global_norm(max_norm: Scalar | dict[str, Scalar], *, ord: Ord = 2,
@@ -319,6 +366,8 @@ def clip_by_global_norm(max_norm: Scalar | dict[str, Scalar], *, ord: Ord = 2,
     groups: labels (a tree prefix of strings, as ``optax.partition``'s, or a
       callable of the updates): each group is clipped by its own norm, from
       one pass; the state is then a ``GroupClipState`` (``clip/<label>/...``).
+      An ``optaxclip.along(label, axis)`` label splits its group along that
+      axis: one norm per expert (and layer) over all its tensors.
     floor: the stall guard: steps whose factor falls under it are counted
       (``clip/floor_count``; the smallest factor is ``clip/min_scale``), a
       number in [0, 1] or None (not counted); [docs/muon.md](../muon.md).

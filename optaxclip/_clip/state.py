@@ -48,6 +48,10 @@ class ClipState(NamedTuple):
     stack_norms: with ``leaf_norms=True``, the last update's norm of every
       leaf that stacks layers, as a whole (float ``[]``; None elsewhere);
       otherwise None.
+    expert_norms: with ``clip_by_norm(joint_experts=True)``, the last
+      update's joint norm of every expert (over all its tensors), float
+      ``[layers, experts]`` (``[experts]`` without ``layer_axis``), the same
+      on every device; otherwise None.
   """
   norm: jax.Array
   scale: jax.Array
@@ -58,13 +62,16 @@ class ClipState(NamedTuple):
   floor_count: PyTree = None  # a Counter; None without a floor
   leaf_norms: PyTree = None
   stack_norms: PyTree = None
+  expert_norms: PyTree = None  # a float array; None without joint_experts
 
   def after(self, norm: jax.Array, factor: jax.Array, *, finite: jax.Array,
             floor: Scalar | None = None,
-            measured: _core.Measured | None = None) -> "ClipState":
+            measured: _core.Measured | None = None,
+            expert_norms: jax.Array | None = None) -> "ClipState":
     """The state after a step with this norm and factor (``floor``: the
     builder's, counted when this state has ``floor_count``; and, kept, the
-    leaf norms of ``measured``), in this state's dtypes."""
+    leaf norms of ``measured`` and the experts' joint norms), in this
+    state's dtypes."""
     dtype = self.norm.dtype
     norms = stacks = None
     if measured is not None:
@@ -81,7 +88,9 @@ class ClipState(NamedTuple):
                      **counters.step_counts(self, finite=finite,
                                             clipped=factor < 1),
                      min_scale=smallest, floor_count=floor_count,
-                     leaf_norms=norms, stack_norms=stacks)
+                     leaf_norms=norms, stack_norms=stacks,
+                     expert_norms=None if expert_norms is None
+                     else expert_norms.astype(dtype))
 
   @classmethod
   def fresh(cls, dtype: jax.typing.DTypeLike, *kept: PyTree,
@@ -97,20 +106,26 @@ class ClipState(NamedTuple):
                leaf_norms=leaf_norms, stack_norms=stack_norms)
 
 
-registry.register(ClipState, "clip", hide=("leaf_norms", "stack_norms"),
+registry.register(ClipState, "clip",
+                  hide=("leaf_norms", "stack_norms", "expert_norms"),
                   extras=lambda state: {
                       "clip_rate": counters.clip_rate(state),
-                      **leaf_stats.entries(state.leaf_norms, state.stack_norms)})
+                      **leaf_stats.entries(state.leaf_norms, state.stack_norms),
+                      **leaf_stats.grid_entries("expert_norm",
+                                                state.expert_norms)})
 
 
 def init_clip_state(fn: str, params: PyTree = None, *,
                     kept: _core.Kept | None = None,
-                    floor: Scalar | None = None) -> ClipState:
+                    floor: Scalar | None = None,
+                    experts: tuple[int, ...] | None = None) -> ClipState:
   """A fresh ``ClipState``, its floats in the statistics dtype of ``params``
   (with ``kept``, zero leaf norms of its shapes; with ``floor``, a
-  ``floor_count``)."""
+  ``floor_count``; with ``experts``, zero joint norms of that shape)."""
   dtype = running.statistics_dtype(params)
-  if kept is None:
-    return ClipState.fresh(dtype, floor=floor)
-  return ClipState.fresh(dtype, *leaf_stats.zeros(fn, params, kept, dtype),
-                         floor=floor)
+  state = (ClipState.fresh(dtype, floor=floor) if kept is None else
+           ClipState.fresh(dtype, *leaf_stats.zeros(fn, params, kept, dtype),
+                           floor=floor))
+  if experts is None:
+    return state
+  return state._replace(expert_norms=jnp.zeros(experts, dtype))

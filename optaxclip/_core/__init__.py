@@ -9,7 +9,8 @@ Transforms say *what* they measure and get back what they need::
     clipped = scale_leaves(updates, measured.to_leaves(factors))
 
 Inside (docs/design.md): ``_measure`` (``measure``, ``Measured``), ``_kept``
-(which axes a view keeps), ``_norms`` (the compiled, differentiable norm,
+(which axes a view keeps), ``_joint`` (an expert's norm over all its
+tensors), ``_norms`` (the compiled, differentiable norm,
 its kernel chosen by platform), ``_sums`` (the CPU kernel: powers, the
 plain power sums and the overflow rescue), ``_one_pass`` (the GPU/TPU
 kernel: one read, no conditional),
@@ -19,6 +20,9 @@ two), ``_batching`` (small leaves grouped for compile time) and ``_mesh``
 leaf, layer and expert norms, combined in one fixed order).
 """
 
+from optaxclip._core._joint import Joint as Joint
+from optaxclip._core._joint import joint_shapes as joint_shapes
+from optaxclip._core._joint import measure_joint as measure_joint
 from optaxclip._core._kept import PER_LEAF as PER_LEAF
 from optaxclip._core._kept import TOTAL as TOTAL
 from optaxclip._core._kept import Kept as Kept

@@ -64,7 +64,9 @@ class Measured:
     total: the norm of all leaves together (for a view with units, the norm
       of every unit's norm: the same partial sums, no second pass).
     units: every unit's norm, on all devices, in unit order (leaf by leaf,
-      each leaf's kept entries in C order): the same on every device.
+      each leaf's kept entries in C order; where the mesh splits a leaf's
+      kept axes, device by device, each device's block in C order:
+      ``_joint`` lines them up): the same on every device.
     shapes: each clippable leaf's whole shape (before ``shard_map`` split
       it).
     split: whether some leaf's units are split over the mesh (each device

@@ -96,3 +96,13 @@ def entries(norms: PyTree, stacks: PyTree = None,
       out["/".join(filter(None, ["layer_norm", path, *map(str, index)]))] = (
           value[index])
   return out
+
+
+def grid_entries(name: str, norms: jax.Array | None) -> dict[str, jax.Array]:
+  """Flat ``stats`` entries of a grid of norms (the experts' joint norms):
+  ``name/<i>`` per entry of a vector, ``name/<i>/<j>`` of a matrix (layer
+  ``i``, expert ``j``); none for None."""
+  if norms is None:
+    return {}
+  return {"/".join([name, *map(str, index)]): norms[index]
+          for index in np.ndindex(*norms.shape)}
