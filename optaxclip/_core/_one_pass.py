@@ -16,10 +16,11 @@ underflow safety live inside the one pass instead:
   it gather the leaves); across devices they travel in one all-reduce.
 - ``p = 1``: two accumulators (entries below ``2**-100`` scaled up by
   ``2**100``); a sum of ``|x|`` overflows only when the norm does.
-- other orders up to ``_PAIR_ORDER_LIMIT``, leaves off any mesh: one
-  variadic reduction of pairs ``(exponent, sum of (|x| / 2**exponent)**p)``,
-  the exponent the largest ``frexp`` exponent seen (across devices: a max,
-  then a sum).
+- other orders up to ``_PAIR_ORDER_LIMIT``, leaves off any mesh: variadic
+  reductions of pairs ``(exponent, sum of (|x| / 2**exponent)**p)``, the
+  exponent the largest ``frexp`` exponent seen (across devices: a max,
+  then a sum), in blocks of ``_BLOCK`` (XLA:CPU adds a variadic reduction
+  one entry after the other: its error would grow with the entries).
 - higher orders, traced ones, and leaves laid out on a mesh (sharded
   ``jit`` would gather them for a variadic reduction): the largest ``|x|``,
   then the powers divided by it (three reads, no conditional).
