@@ -20,6 +20,7 @@ the compiled programs' constants are checked at the end.
 
 import math
 import re
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -52,13 +53,13 @@ def _x64(name):
 def _layer_norms(rows, p, **axis):
   tx = oc.clip_by_global_norm(math.inf, ord=p, leaf_norms=True, **axis)
   _, state = tx.update({"w": rows}, tx.init({"w": rows}))
-  return state.leaf_norms["w"]
+  return cast(Any, state).leaf_norms["w"]
 
 
 def _skipped(row, max_norm, p):
   tx = oc.skip_step(optax.sgd(1.0), max_norm=max_norm, ord=p)
   _, state = tx.update(row, tx.init(row), row)
-  return state.stats.skipped_count
+  return cast(Any, state).stats.skipped_count
 
 
 def _loss_scaled(row, max_norm):
@@ -246,13 +247,13 @@ _SMALLEST_NORMAL = {"f32": 2.0 ** -126, "bf16": 2.0 ** -126, "f16": 2.0 ** -14,
                     "f64": 2.0 ** -1022}
 
 
-def zero_multiplies(hlo: str) -> list[str]:
+def zero_multiplies(hlo: str | None) -> list[str]:
   """The multiplications, in compiled HLO text, by a float constant that is
   0 or subnormal (hardware that flushes subnormals reads one as 0), or by
   a broadcast of one: what XLA leaves of a product of constants that fell
   out of the float range (``x * 2**-76 * 2**-76`` in float32)."""
   zeros, found = set(), []
-  for line in hlo.splitlines():
+  for line in (hlo or "").splitlines():
     match = _INSTRUCTION.search(line)
     if not match:
       continue
