@@ -717,6 +717,34 @@ def test_one_all_reduce_on_the_main_path(name, with_specs):
     assert counts[op] == (0, 0), (op, counts[op])
 
 
+# Issue 32, defect 6: the all-reduces per kernel and order that
+# docs/distributed.md ("How many all-reduces") states: (every step, only in
+# the CPU rescue's branch).
+DOCUMENTED_ALL_REDUCES = {
+    ("rescue", 2): (1, 1), ("rescue", 1): (1, 1), ("rescue", "inf"): (1, 0),
+    ("rescue", 3): (1, 2), ("rescue", 130): (1, 3),
+    ("one_pass", 2): (1, 0), ("one_pass", 1): (1, 0), ("one_pass", 0.5): (2, 0),
+    ("one_pass", 130): (3, 0)}
+
+
+@pytest.mark.parametrize("kernel,ord", list(DOCUMENTED_ALL_REDUCES))
+def test_all_reduces_per_kernel_and_order_are_the_documented_ones(kernel, ord,
+                                                                   monkeypatch):
+  monkeypatch.setenv("OPTAXCLIP_KERNEL", kernel)
+  mesh = make_mesh((8,), ("i",))
+  specs = [P("i"), P(), P(None, "i")]
+  tree = [jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, sp))
+          for shape, sp in zip([(64, 8), (16,), (4, 8)], specs)]
+  tx = oc.clip_by_global_norm(1.0, ord=ord, axis_name="i", specs=specs,
+                              leaf_norms=True)
+  step = shard_map(lambda t: tx.update(t, tx.init(t))[0], mesh=mesh,
+                   in_specs=(specs,), out_specs=specs, check_vma=False)
+  hlo = jax.jit(step).lower(tree).compile().as_text()
+  assert hlo_ops(hlo, "all-reduce") == DOCUMENTED_ALL_REDUCES[kernel, ord]
+  if kernel == "one_pass":
+    assert hlo_ops(hlo, "conditional") == (0, 0)
+
+
 def test_gspmd_all_reduces_40_leaves():
   # Sharded jit, FSDP-style: XLA inserts the all-reduce of the partial sums.
   mesh = make_mesh((8,), ("data",))

@@ -114,7 +114,10 @@ def test_the_cpu_window_check_keeps_its_branch():
 def test_the_one_pass_kernel_reduces_each_leaf_once(monkeypatch):
   # p = 2: three sibling sums of one input per leaf, which XLA:GPU fuses into
   # one read (XLA:CPU reads each: counted here before optimisation);
-  # other orders: one variadic reduction, one read everywhere (cost analysis).
+  # other orders: variadic reductions in blocks of 16 (an error bound that
+  # holds in any order of addition), one read of the tree everywhere, plus
+  # the blocks' (exponent, sum) pairs: 8 bytes per 16 entries, written once
+  # and read once (cost analysis).
   monkeypatch.setenv("OPTAXCLIP_KERNEL", "one_pass")
   tree = {"w": jnp.ones((256, 256)), "b": jnp.ones((256,))}
   text = jax.jit(F.global_norm).lower(tree).as_text(dialect="hlo")
@@ -122,4 +125,6 @@ def test_the_one_pass_kernel_reduces_each_leaf_once(monkeypatch):
   assert len(reduces) == 3 * 2 and all("f32[] reduce(" in line for line in reduces)
   compiled = jax.jit(lambda t: F.global_norm(t, 3)).lower(tree).compile()
   tree_bytes = sum(x.nbytes for x in jax.tree.leaves(tree))
-  assert compiled.cost_analysis()["bytes accessed"] / tree_bytes == pytest.approx(1.0, abs=0.01)
+  partials = 2 * 8 / (4 * 16)
+  assert compiled.cost_analysis()["bytes accessed"] / tree_bytes == pytest.approx(
+      1.0 + partials, abs=0.03)

@@ -190,6 +190,17 @@ class Grouped:
             for x, kept in zip(leaves, self.keep)]
 
 
+def pairwise(combine: Callable[[Any, Any], Any], items: Sequence[Any]) -> Any:
+  """``combine`` over ``items`` by halves (a balanced tree): a sum of ``k``
+  group partials takes ``ceil(log2(k))`` roundings, one after the other
+  would take ``k - 1``."""
+  items = list(items)
+  while len(items) > 1:
+    items = [combine(*items[i:i + 2]) if i + 1 < len(items) else items[i]
+             for i in range(0, len(items), 2)]
+  return items[0]
+
+
 def reduce(grouped: Grouped, elementwise: Callable[[Any, Group], jax.Array],
            reduction: Reduction, *, maximum: bool, total: bool,
            initial: float = 0, groups: list[Group] | None = None) -> jax.Array:
@@ -206,7 +217,7 @@ def reduce(grouped: Grouped, elementwise: Callable[[Any, Group], jax.Array],
     # small vector is reduced (XLA:CPU compiles each small reduction as a
     # costly kernel of its own), and the devices share one all-reduce.
     combine = jnp.maximum if maximum else jnp.add
-    return across(functools.reduce(
+    return across(pairwise(
         combine, [reducer(elementwise(group.values, group))
                   for group in groups]))
   partials = across(grouped.per_unit(groups, elementwise, reducer),
@@ -242,7 +253,7 @@ def reduce_many(grouped: Grouped, elementwise: Callable[[Any, Group], tuple],
     for group in groups:
       out = elementwise(group.values, group)
       results.append(reducer(out, axis=tuple(range(out[0].ndim))))
-    return across(functools.reduce(combine, results), ())
+    return across(pairwise(combine, results), ())
   partials = across(grouped.per_unit(groups, elementwise, reducer),
                     grouped.sizes)
   return reducer(partials, axis=(0,)) if total else partials

@@ -16,10 +16,11 @@ underflow safety live inside the one pass instead:
   it gather the leaves); across devices they travel in one all-reduce.
 - ``p = 1``: two accumulators (entries below ``2**-100`` scaled up by
   ``2**100``); a sum of ``|x|`` overflows only when the norm does.
-- other orders up to ``_PAIR_ORDER_LIMIT``, leaves off any mesh: one
-  variadic reduction of pairs ``(exponent, sum of (|x| / 2**exponent)**p)``,
-  the exponent the largest ``frexp`` exponent seen (across devices: a max,
-  then a sum).
+- other orders up to ``_PAIR_ORDER_LIMIT``, leaves off any mesh: variadic
+  reductions of pairs ``(exponent, sum of (|x| / 2**exponent)**p)``, the
+  exponent the largest ``frexp`` exponent seen (across devices: a max,
+  then a sum), in blocks of ``_BLOCK`` (XLA:CPU adds a variadic reduction
+  one entry after the other: its error would grow with the entries).
 - higher orders, traced ones, and leaves laid out on a mesh (sharded
   ``jit`` would gather them for a variadic reduction): the largest ``|x|``,
   then the powers divided by it (three reads, no conditional).
@@ -29,6 +30,7 @@ written from them, so the numbers are the same on hardware that flushes
 subnormals (XLA:CPU, TPU) as on hardware that keeps them.
 """
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -90,7 +92,13 @@ def _bands(x: jax.Array, acc, low: int, high: int | None):
 
 
 def _scaled(y: jax.Array, mask: jax.Array, exponent: int, acc) -> jax.Array:
-  """``|y| * 2**exponent`` where ``mask``, else 0; exact for subnormals."""
+  """``|y| * 2**exponent`` where ``mask``, else 0; exact for subnormals.
+
+  Scaling down (the big band, which holds no subnormal), one multiply by
+  a normal constant: a subnormal's path would multiply by 0.
+  """
+  if exponent < 0:
+    return jnp.where(mask, jnp.abs(y) * 2.0 ** exponent, 0)
   scale = _exact.Scale.by(jnp.asarray(exponent), acc)
   return jnp.where(mask, scale.apply(y), 0)
 
@@ -116,22 +124,34 @@ def _blue_sums(x: jax.Array, acc) -> tuple[jax.Array, ...]:
   return tuple(out)
 
 
+def _hypot(high: jax.Array, low: jax.Array) -> jax.Array:
+  """``sqrt(high**2 + low**2)`` for ``high >= low >= 0``, neither squared."""
+  ratio = low / jnp.where(high > 0, high, 1)
+  return high * jnp.sqrt(1 + ratio * ratio)
+
+
 def _blue_norms(sums: tuple[jax.Array, ...], divisor) -> jax.Array:
   """The 2-norms from the three accumulators, as LAPACK's ``nrm2`` combines
-  them (roots taken before any rescaling, ``divisor`` applied first)."""
+  them (roots taken before any rescaling, ``divisor`` applied first).
+
+  Each root is brought to the big accumulator's units by one constant
+  factor and combined as a hypot: no product of two constants, which XLA
+  folds into one (``2**-76 * 2**-76`` is 0 in float32, and then every
+  medium entry would be dropped once one entry is big).
+  """
   small, medium, big = sums
   blue = _Blue.of(small.dtype)
-  down = 2.0 ** blue.big_scale  # a normal float, squared in two steps
-  half = -blue.big_scale // 2  # 2**-big_scale as two normal factors
-  roots_big = (jnp.sqrt(big + medium * down * down) / divisor
-               * 2.0 ** half * 2.0 ** (-blue.big_scale - half))
+  root_big = jnp.sqrt(big) / divisor  # in units of 2**-big_scale
   root_medium = jnp.sqrt(medium) / divisor
   root_small = _exact.unscaled(jnp.sqrt(small) / divisor, -blue.small_scale)
+  # Big and medium (small entries are negligible next to a big one): the
+  # medium root scaled down once, then back up once (normal factors).
+  medium_down = root_medium * 2.0 ** blue.big_scale
+  roots_big = _hypot(jnp.maximum(root_big, medium_down),
+                     jnp.minimum(root_big, medium_down)) * 2.0 ** -blue.big_scale
   # Both medium and small: one of them may be negligible, neither overflows.
-  high = jnp.maximum(root_medium, root_small)
-  low = jnp.minimum(root_medium, root_small)
-  ratio = low / jnp.where(high > 0, high, 1)
-  both = high * jnp.sqrt(1 + ratio * ratio)
+  both = _hypot(jnp.maximum(root_medium, root_small),
+                jnp.minimum(root_medium, root_small))
   norms = jnp.where(big > 0, roots_big,
                     jnp.where(medium > 0,
                               jnp.where(small > 0, both, root_medium),
@@ -186,6 +206,38 @@ def _combine_pairs(p):
   return combine
 
 
+# The pairs are reduced in blocks of this many, then the blocks' results in
+# blocks of this many, and so on: whatever order a backend adds a block in
+# (XLA:CPU: one after the other), a sum of n terms then takes at most
+# (_BLOCK - 1) * ceil(log(n) / log(_BLOCK)) roundings (n = 1e6: 75), where
+# one variadic reduction may take n - 1 on the CPU (0.4 % off for p = 0.5).
+_BLOCK = 16
+
+
+def _blocked_reduce(values: tuple[jax.Array, ...], init, combine,
+                    axes: tuple[int, ...]) -> tuple[jax.Array, ...]:
+  """``lax.reduce(values, init, combine, axes)``, in a tree of blocks of
+  ``_BLOCK`` (padded with ``init``): the first level reads each entry once,
+  the next ones read ``1/_BLOCK`` as many partials each."""
+  rank = values[0].ndim
+  axes = tuple(a % rank for a in axes)
+  kept = [a for a in range(rank) if a not in axes]
+  shape = [values[0].shape[a] for a in kept]
+  count = math.prod(values[0].shape[a] for a in axes)
+  values = tuple(lax.reshape(jnp.transpose(v, kept + list(axes)) if (
+      kept + list(axes) != list(range(rank))) else v, (*shape, count))
+      for v in values)
+  while count > _BLOCK:
+    blocks = -(-count // _BLOCK)
+    padding = [(0, 0, 0)] * len(shape) + [(0, blocks * _BLOCK - count, 0)]
+    values = tuple(
+        lax.pad(v, jnp.asarray(i, v.dtype), padding).reshape(*shape, blocks, _BLOCK)
+        for v, i in zip(values, init))
+    values = lax.reduce(values, init, combine, (len(shape) + 1,))
+    count = blocks
+  return lax.reduce(values, init, combine, (len(shape),))
+
+
 def _pair_norms(grouped: Grouped, p, acc, reduction: Reduction, *,
                 total: bool, divisor) -> jax.Array:
   """Orders other than 1, 2, inf: one variadic reduction of pairs."""
@@ -193,8 +245,7 @@ def _pair_norms(grouped: Grouped, p, acc, reduction: Reduction, *,
   init = (jnp.int32(_ZERO), jnp.zeros([], acc))
 
   def reducer(values, axis):
-    e, t = values
-    return lax.reduce((e, t), init, combine, tuple(axis))
+    return _blocked_reduce(values, init, combine, tuple(axis))
 
   def pairs(x, group):
     return _pairs(x, p, acc)

@@ -95,10 +95,10 @@ def safe_root(s: jax.Array, p: float | jax.Array) -> jax.Array:
   ``s`` itself for ``p = inf`` (``s`` is then a maximum)."""
   if is_order(p, 1) or is_order(p, math.inf):
     return s
-  positive = s > 0
+  positive = (s > 0) & (s < jnp.inf)
   safe = jnp.where(positive, s, 1)
-  root = jnp.sqrt(safe) if is_order(p, 2) else safe ** (1 / p)
-  return jnp.where(positive, root, s)  # s itself for 0 and NaN
+  root = jnp.sqrt(safe) if is_order(p, 2) else _exact.root(safe, p)
+  return jnp.where(positive, root, s)  # s itself for 0, Inf and NaN
 
 
 def elementwise_power(x: jax.Array, p: Any, acc: jnp.dtype) -> jax.Array:
@@ -240,15 +240,20 @@ def norms_of(grouped: Grouped, p, acc, reduction: Reduction, *,
   rescue only where they fail. With ``divisor`` (one per unit), each norm
   divided by it before any rescaling: an RMS stays finite where the norm
   itself would overflow."""
+  if is_order(p, math.inf) and not any(
+      jnp.iscomplexobj(group.values) for group in grouped.groups):
+    # A maximum neither overflows nor underflows; a subnormal one is read
+    # from its bits (a float maximum reads it as 0 where subnormals flush).
+    offset = 2 ** jnp.finfo(acc).nmant
+    codes = reduce(grouped, lambda x, _: _exact.max_code(x, acc), reduction,
+                   maximum=True, total=total, initial=-offset)
+    return _exact.from_max_code(codes, acc)
   sums = reduce(grouped, lambda x, _: elementwise_power(x, p, acc), reduction,
                 maximum=is_order(p, math.inf), total=total)
   plain = lambda: safe_root(sums, p) if divisor is None else (  # noqa: E731
       safe_root(sums, p) / divisor)
   if is_order(p, math.inf) or not rescue_enabled():
-    # A maximum neither overflows nor underflows. (A largest |x| below the
-    # normal range, read as 0 where subnormals are flushed, would be one in
-    # any later arithmetic too.)
-    return plain()
+    return plain()  # (complex leaves: their largest modulus)
   floor = _precision_floor(grouped, acc, reduction)
   if is_order(p, 1):
     # Sums of |x| overflow only when the norm does: only an underflow (of

@@ -1,0 +1,141 @@
+"""Vectors that straddle the norm kernels' thresholds, and exact references.
+
+The one-pass kernel (``_core._one_pass``) sums an entry in one of three
+accumulators by its magnitude: below ``2**small`` scaled up, above
+``2**big`` scaled down, the rest as it is (and, for ``p = 1``, below
+``2**tiny`` scaled up); the rescue kernel (``_core._sums``) redoes the sums
+when they leave the float range. A row of the table holds entries of one
+to three of the bands these thresholds cut (as many as the input dtype
+reaches), each band holding a dominant, comparable or negligible share of
+the total, with entries placed at the thresholds themselves, next to them
+and at the dtype's extremes.
+
+References are exact to far below the kernels' rounding: each row scaled
+by a power of two (exact), its powers summed in 80-bit extended precision.
+"""
+
+import itertools
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from optaxclip._core._one_pass import _Blue
+
+WIDTH = 12  # entries per row (zeros pad the rest)
+# A band's weight in the row's total (of squares): dominant, comparable, negligible.
+SHARES = (1.0, 2.0 ** -7, 2.0 ** -30)
+
+
+def accumulation(dtype) -> np.dtype:
+  return np.dtype(np.float64 if jnp.dtype(dtype) == np.float64 else np.float32)
+
+
+def cuts(dtype) -> list[float]:
+  """The one-pass kernel's thresholds for ``dtype``'s accumulation type."""
+  blue = _Blue.of(accumulation(dtype))
+  return [2.0 ** blue.tiny, 2.0 ** blue.small, 2.0 ** blue.big]
+
+
+def _bands(dtype) -> list[tuple[float, float]]:
+  """The ``[low, high]`` magnitudes of each band ``dtype`` reaches: between
+  consecutive thresholds (each threshold in the band above it). A dtype
+  that reaches fewer than three (float16: one) is cut at its smallest
+  normal number and at 1 instead, so that its rows mix magnitudes too."""
+  info = jnp.finfo(dtype)
+  lowest, highest = float(info.smallest_subnormal), float(info.max)
+  inside = [c for c in cuts(dtype) if lowest < c <= highest]
+  if len(inside) < 2:
+    inside = [float(info.tiny), 1.0]
+  below = [float(np.nextafter(np.asarray(c, dtype), np.asarray(0, dtype)))
+           for c in inside]
+  return list(zip([lowest] + inside, below + [highest]))
+
+
+def _row(values, dtype, rng) -> np.ndarray:
+  row = np.zeros(WIDTH, np.float64)
+  row[:len(values)] = np.asarray(values) * rng.choice([-1.0, 1.0], len(values))
+  return rng.permutation(row).astype(dtype)
+
+
+def table(dtype, seed: int = 0) -> np.ndarray:
+  """The rows for ``dtype``: every subset of up to three bands, every
+  assignment of ``SHARES`` to them, around every threshold and extreme."""
+  rng = np.random.default_rng(seed)
+  info = jnp.finfo(dtype)
+  bands = _bands(dtype)
+  centers = [c for c in cuts(dtype) + [1.0, float(info.smallest_subnormal),
+                                        float(info.tiny), float(info.max)]
+             if float(info.smallest_subnormal) <= c <= float(info.max)]
+  rows = []
+  for center in centers:
+    for k in range(1, 4):
+      for chosen in itertools.combinations(bands, k):
+        for shares in itertools.product(SHARES, repeat=k):
+          if max(shares) < 1:
+            continue
+          values = []
+          for i, ((lo, hi), share) in enumerate(zip(chosen, shares)):
+            count = 1 + (i + len(rows)) % 3
+            jitter = 1 + 0.5 * rng.random(count)
+            with np.errstate(over="ignore"):  # at float64's largest
+              values.extend(np.clip(center * math.sqrt(share / count) * jitter, lo, hi))
+          rows.append(_row(values, dtype, rng))
+  rows.extend(_row(values, dtype, rng) for values in _edges(dtype))
+  return np.unique(np.stack(rows), axis=0)
+
+
+def _edges(dtype) -> list[list[float]]:
+  """Entries at the thresholds: each threshold, its neighbours, and one
+  entry just above it among equal ones at it (the issue's 5e9 among 4e9s)."""
+  out = []
+  info = jnp.finfo(dtype)
+  for cut in cuts(dtype):
+    if not float(info.tiny) <= cut <= float(info.max) / 2:
+      continue  # outside this dtype's normal range
+    c = np.asarray(cut, dtype)
+    up = float(np.nextafter(c, np.asarray(np.inf, dtype)))
+    down = float(np.nextafter(c, np.asarray(0, dtype)))
+    out += [[cut] * 4, [up, cut, cut, cut], [down, cut], [up, down],
+            [cut * 1.25, cut * 0.9375, cut * 0.9375, cut * 0.9375]]
+  return out
+
+
+def reference(rows: np.ndarray, p: float) -> np.ndarray:
+  """The ``p``-norm of each row, to within half a float64 ulp: each row
+  scaled by the power of two of its largest entry (exactly), then summed in
+  80-bit extended precision (11 more bits than float64)."""
+  x = np.abs(rows.astype(np.float64))
+  if p == math.inf:
+    return np.max(x, axis=1)
+  exponent = np.frexp(np.max(x, axis=1))[1]
+  with np.errstate(under="ignore", over="ignore"):
+    scaled = np.ldexp(x, -exponent[:, None]).astype(np.longdouble)
+    total = np.sum(scaled ** np.longdouble(p), axis=1)
+    root = (total ** (np.longdouble(1) / np.longdouble(p))).astype(np.float64)
+    return np.ldexp(root, exponent)
+
+
+def log2_power_sum(rows: np.ndarray, p: float) -> np.ndarray:
+  """``log2(sum |x|**p)`` per row (-inf for a zero row), without overflow."""
+  x = np.abs(rows.astype(np.float64))
+  with np.errstate(divide="ignore"):
+    logs = np.where(x > 0, p * np.log2(np.where(x > 0, x, 1)), -np.inf)
+  top = np.max(logs, axis=1, keepdims=True)
+  finite = np.isfinite(top)
+  shifted = np.where(finite, logs - np.where(finite, top, 0), -np.inf)
+  with np.errstate(divide="ignore", invalid="ignore"):  # zero rows: -inf
+    return np.where(finite[:, 0], top[:, 0] + np.log2(np.sum(np.exp2(shifted), axis=1)),
+                    -np.inf)
+
+
+def plain_sums_suffice(rows: np.ndarray, p: float, entries: int) -> np.ndarray:
+  """The rows whose plain power sums (in the accumulation type) neither
+  overflow nor fall under the rescue's precision floor, with a margin: the
+  rescue kernel takes its plain branch for a batch of them."""
+  info = np.finfo(accumulation(rows.dtype))
+  x = np.abs(rows.astype(np.float64))
+  normal = np.all((x == 0) | (x >= info.tiny), axis=1)
+  logs = log2_power_sum(rows, p)
+  floor = math.log2(float(info.tiny) / float(info.eps) * entries)
+  return normal & (logs > floor + 2) & (logs < info.maxexp - 2)

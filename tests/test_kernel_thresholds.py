@@ -1,0 +1,338 @@
+"""Both norm kernels at their thresholds, jitted, against exact references.
+
+Issue 32, defect 1: the one-pass kernel (the GPU/TPU one) computed
+``medium * 2**-76 * 2**-76``, which XLA folds into ``medium * 0`` in
+float32, and dropped every entry at or below ``2**32`` once one entry lay
+above it; op by op the code was right. So every number here is computed by
+a compiled program, for both kernels (``OPTAXCLIP_KERNEL``), every order
+the one-pass kernel serves (its own 1 and 2, the pair orders, one above
+their limit, inf, a traced one), float32, bfloat16, float16 and float64,
+on the rows of ``kernel_table`` (entries below, at and above each
+threshold, every combination of bands, each band's share dominant,
+comparable or negligible), through ``global_norm``, the clip, per-layer and
+per-expert norms, ``skip_step(max_norm=...)`` and ``dynamic_loss_scale``
+with an inner clipper at a scale of 2**40. One program per (kernel, dtype,
+order) takes the whole table as a batch.
+
+Defect 5 (pair orders summed one entry after the other on the CPU) and
+the compiled programs' constants are checked at the end.
+"""
+
+import math
+import re
+from typing import Any, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from kernel_table import accumulation, plain_sums_suffice, reference, table
+
+import optaxclip as oc
+
+F = oc.functional
+KERNELS = ("rescue", "one_pass")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+# 1 and 2: the one-pass kernel's own sums; 0.5, 2.5, 3: its pairs; 130:
+# above the pairs' limit (120); inf: a maximum.
+ORDERS = (1.0, 2.0, 0.5, 2.5, 3.0, 130.0, math.inf)
+# Rounding allowed, in units of the accumulation type's epsilon: a dozen
+# terms summed, a root, a division (measured: at most 3).
+ULPS = 8
+
+
+def _dtype(name):
+  return jnp.dtype(name)
+
+
+def _x64(name):
+  return jax.enable_x64(name == "float64")
+
+
+def _layer_norms(rows, p, **axis):
+  tx = oc.clip_by_global_norm(math.inf, ord=p, leaf_norms=True, **axis)
+  _, state = tx.update({"w": rows}, tx.init({"w": rows}))
+  return cast(Any, state).leaf_norms["w"]
+
+
+def _skipped(row, max_norm, p):
+  tx = oc.skip_step(optax.sgd(1.0), max_norm=max_norm, ord=p)
+  _, state = tx.update(row, tx.init(row), row)
+  return cast(Any, state).stats.skipped_count
+
+
+def _loss_scaled(row, max_norm):
+  """The update of ``dynamic_loss_scale`` at a scale of 2**40 around a clip
+  to ``max_norm`` and SGD, for the loss-scaled gradient ``row``."""
+  inner = optax.chain(oc.clip_by_global_norm(max_norm), optax.sgd(1.0))
+  tx = oc.dynamic_loss_scale(initial_scale=2.0 ** 40, inner=inner)
+  updates, _ = tx.update(row, tx.init(row), row)
+  return updates
+
+
+def _norms(p):
+  """The rows' norms as totals (``global_norm`` of each row) and as units
+  (per-layer norms of the stacked rows), in one compiled program."""
+  def run(rows):
+    return {"global_norm": jax.vmap(lambda v: F.global_norm(v, ord=p))(rows),
+            "per_layer": _layer_norms(rows, p, layer_axis=0)}
+  return jax.jit(run)
+
+
+def _views(p):
+  """Everything else that reads the norm, in one compiled program."""
+  def run(rows, clip_to, skip_below, skip_above, loss_clip_to):
+    skipped = jax.vmap(lambda v, m: _skipped(v, m, p))
+    return {
+        "per_expert": _layer_norms(rows, p, expert_axis=0),
+        "clip": jax.vmap(lambda v, m: F.clip_by_global_norm(v, m, ord=p)[0])(
+            rows, clip_to),
+        "skipped_below": skipped(rows, skip_below),
+        "skipped_above": skipped(rows, skip_above),
+        "loss_scale": jax.vmap(_loss_scaled)(rows, loss_clip_to)}
+  return jax.jit(run)
+
+
+NORMS = {(kernel, p): _norms(p) for kernel in KERNELS for p in ORDERS}
+VIEWS = {kernel: _views(2.0) for kernel in KERNELS}
+
+
+def _close(got, want, acc, ulps=ULPS) -> np.ndarray:
+  """Where ``got`` is within ``ulps`` epsilons of ``want`` rounded to
+  ``acc`` (inf where it overflows, or where it is that close to overflowing),
+  or one subnormal step."""
+  info = np.finfo(acc)
+  got = np.asarray(got, np.float64)
+  with np.errstate(over="ignore"):
+    want = np.asarray(want, np.float64).astype(acc).astype(np.float64)
+  bound = ulps * float(info.eps) * np.abs(want) + float(info.smallest_subnormal)
+  with np.errstate(invalid="ignore", over="ignore"):
+    top = (got == np.inf) & (want + bound > float(info.max))
+    return (got == want) | (np.abs(got - want) <= bound) | top
+
+
+def _report(rows, got, want, ok, what) -> str:
+  bad = np.flatnonzero(~ok)[:5]
+  return (f"{what}: {np.sum(~ok)} of {ok.size} rows off, e.g. " + "; ".join(
+      f"{rows[i].astype(np.float64).tolist()} -> {float(got[i])!r}, "
+      f"exact {float(want[i])!r}" for i in bad))
+
+
+def _ulp(values: np.ndarray, dtype) -> np.ndarray:
+  """One unit in the last place of each of ``values`` in ``dtype``."""
+  info = jnp.finfo(dtype)
+  exponent = np.floor(np.log2(np.maximum(np.abs(values), float(info.tiny))))
+  return np.exp2(exponent - info.nmant)
+
+
+def _check_scaled(rows, got, factor, dtype, acc, what):
+  """``got`` is ``rows * factor`` in ``dtype``, to an ulp (a result below
+  the normal range may be flushed to 0, as XLA:CPU does)."""
+  want = rows.astype(np.float64) * factor
+  got = np.asarray(got, np.float64)
+  info = jnp.finfo(dtype)
+  bound = _ulp(want, dtype) + ULPS * float(np.finfo(acc).eps) * np.abs(want)
+  flushed = (np.abs(want) < float(info.tiny)) & (got == 0)
+  ok = np.all((np.abs(got - want) <= bound) | flushed, axis=1)
+  assert ok.all(), _report(rows, got[:, 0], want[:, 0], ok, what)
+
+
+def _batches(rows, p, dtype):
+  """The table, then its rows whose plain sums need no rescue (padded with
+  copies of the first): the rescue kernel decides once per batch, so the
+  second batch runs its plain branch."""
+  if p == math.inf:
+    return [rows]  # a maximum has no rescue
+  plain = rows[plain_sums_suffice(rows, p, rows.size)]
+  assert len(plain) > 10, "the table has too few ordinary rows"
+  padded = np.concatenate([plain, np.repeat(plain[:1], len(rows) - len(plain), 0)])
+  return [rows, padded.astype(dtype)]
+
+
+def _narrow_rows():
+  """The float32, bfloat16 and float16 tables, widened to float32 (exactly):
+  the one kernel that accumulates all three in float32 reads them all in
+  one batch (the widening inside it: ``test_every_dtype_reads_...``)."""
+  return np.concatenate([table(_dtype(name)).astype(np.float32)
+                         for name in ("float32", "bfloat16", "float16")])
+
+
+ROWS = {"float32": _narrow_rows(), "float64": table(np.float64)}
+# float64: its own thresholds (2**-511, 2**256) with the orders of each path.
+F64_ORDERS = (1.0, 2.0, 2.5, math.inf)
+
+
+@pytest.mark.parametrize("p", ORDERS, ids=lambda p: f"p={p}")
+@pytest.mark.parametrize("acc", ["float32", "float64"])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_norms_and_layer_norms_at_every_threshold(kernel, acc, p, monkeypatch):
+  if p == math.inf and kernel == "one_pass":
+    pytest.skip("a maximum: one kernel for both (the rescue's plain max)")
+  if acc == "float64" and p not in F64_ORDERS:
+    pytest.skip("float64: one order of each path")
+  monkeypatch.setenv("OPTAXCLIP_KERNEL", kernel)
+  with _x64(acc):
+    compiled = NORMS[kernel, p].lower(ROWS[acc]).compile()
+    assert zero_multiplies(compiled.as_text()) == []
+    for rows in _batches(ROWS[acc], p, np.dtype(acc)):
+      want = reference(rows, p)
+      out = jax.device_get(compiled(rows))
+      for view, got in out.items():
+        ok = _close(got, want, np.dtype(acc))
+        assert ok.all(), _report(rows, got, want, ok, view)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_every_dtype_reads_clips_and_guards_at_every_threshold(kernel, dtype,
+                                                                monkeypatch):
+  # The issue's cases: the clipped tree's norm is max_norm; skip_step skips
+  # above max_norm (and not below); dynamic_loss_scale at 2**40 around a
+  # clip clips the unscaled gradients.
+  monkeypatch.setenv("OPTAXCLIP_KERNEL", kernel)
+  acc, p = accumulation(dtype), 2.0
+  tiny = float(np.finfo(acc).tiny)
+  with _x64(dtype):
+    rows = table(_dtype(dtype))
+    want = reference(rows, p)
+    with np.errstate(over="ignore"):
+      usable = (want > tiny * 2.0 ** 30) & (want.astype(acc) < np.inf)
+    want = np.where(usable, want, 1.0)
+    clip_to = (0.75 * want).astype(acc)
+    near = 64 * float(np.finfo(acc).eps)
+    with np.errstate(over="ignore"):
+      above = np.minimum(want * (1 + near), float(np.finfo(acc).max)).astype(acc)
+    args = (rows, clip_to, (want * (1 - near)).astype(acc), above,
+            (clip_to / 2.0 ** 40).astype(acc))
+    compiled = VIEWS[kernel].lower(*args).compile()
+    assert zero_multiplies(compiled.as_text()) == []
+    out = jax.device_get(compiled(*args))
+    ok = _close(out["per_expert"], want, acc) | ~usable
+    assert ok.all(), _report(rows, out["per_expert"], want, ok, "per_expert")
+    _check_scaled(rows[usable], out["clip"][usable], 0.75, _dtype(dtype), acc, "clip")
+    assert np.all(out["skipped_below"][usable] == 1), "skip_step(max_norm) let a step by"
+    assert np.all(out["skipped_above"][usable] == 0), "skip_step(max_norm) skipped"
+    if dtype != "float16":  # float16 gradients overflow at a scale of 2**40
+      x = np.abs(rows.astype(np.float64))
+      fits = usable & np.all((x == 0) | (x >= tiny * 2.0 ** 41), axis=1)
+      _check_scaled(rows[fits], out["loss_scale"][fits], -0.75 / 2.0 ** 40,
+                    _dtype(dtype), acc, "dynamic_loss_scale(clip)")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_traced_order_at_every_threshold(kernel, monkeypatch):
+  # float32 only: a traced order runs the same code for float64.
+  monkeypatch.setenv("OPTAXCLIP_KERNEL", kernel)
+  acc = "float32"
+
+  @jax.jit
+  def norms(rows, p):
+    return jax.vmap(lambda v: F.global_norm(v, ord=p))(rows)
+
+  with _x64(acc):
+    rows = ROWS[acc]
+    for p in (2.0, 2.5, 0.5):  # the switch's own 2, and the generic path
+      want = reference(rows, p)
+      got = np.asarray(norms(rows, jnp.asarray(p, acc)))
+      ok = _close(got, want, np.dtype(acc))
+      assert ok.all(), _report(rows, got, want, ok, f"traced p={p}")
+
+
+# --------------------------------------------------------------------------
+# The compiled programs hold no multiplication by a constant 0
+
+_INSTRUCTION = re.compile(r"%(\S+) = (\w+)\[[^\]]*\]\S* ([\w-]+)\(([^)]*)\)")
+_SMALLEST_NORMAL = {"f32": 2.0 ** -126, "bf16": 2.0 ** -126, "f16": 2.0 ** -14,
+                    "f64": 2.0 ** -1022}
+
+
+def zero_multiplies(hlo: str | None) -> list[str]:
+  """The multiplications, in compiled HLO text, by a float constant that is
+  0 or subnormal (hardware that flushes subnormals reads one as 0), or by
+  a broadcast of one: what XLA leaves of a product of constants that fell
+  out of the float range (``x * 2**-76 * 2**-76`` in float32)."""
+  zeros, found = set(), []
+  for line in (hlo or "").splitlines():
+    match = _INSTRUCTION.search(line)
+    if not match:
+      continue
+    name, dtype, op, args = match.groups()
+    operands = re.findall(r"%([\w.\-]+)", args)
+    if op == "constant" and dtype in _SMALLEST_NORMAL:
+      try:
+        value = float(args)
+      except ValueError:
+        continue  # an array constant
+      if abs(value) < _SMALLEST_NORMAL[dtype]:
+        zeros.add(name)
+    elif op in ("broadcast", "copy", "bitcast", "reshape", "convert") and (
+        operands and operands[0] in zeros):
+      zeros.add(name)
+    elif op == "multiply" and any(o in zeros for o in operands):
+      found.append(line.strip())
+  return found
+
+
+def test_the_zero_multiply_finder_sees_a_folded_product():
+  x = jax.ShapeDtypeStruct((4,), jnp.float32)
+  folded = jax.jit(lambda x: x * 2.0 ** -76 * 2.0 ** -76).lower(x).compile().as_text()
+  assert len(zero_multiplies(folded)) == 1
+  kept = jax.jit(lambda x: x * 2.0 ** -76 * 2.0 ** 76).lower(x).compile().as_text()
+  assert zero_multiplies(kept) == []
+
+
+# --------------------------------------------------------------------------
+# Issue 32, defect 5: sums of many entries, whatever order the backend adds in
+
+SUM_ORDERS = (1.0, 2.0, 0.5, 2.5, 3.0)
+
+
+def _many_entries():
+  n = 1 << 20
+  rng = np.random.default_rng(5)
+  spike = np.full(n, 1e7)
+  spike[0] = 5e9  # the issue's: 1.118e10, read as 5e9 by the folded kernel
+  return np.stack([np.full(n, 0.1), rng.standard_normal(n),
+                   rng.standard_normal(n) * np.exp2(rng.integers(-20, 20, n)),
+                   spike]).astype(np.float32)
+
+
+def _groups():
+  """16 leaves too large to be grouped with others: one holds 1, fifteen
+  hold just under half an ulp of 1 (for p = 1; their roots for p = 2).
+  Added one after the other, each group's sum is lost."""
+  from optaxclip._core._batching import GROUP_LIMIT
+  leaves = [np.zeros(GROUP_LIMIT + 1, np.float32) for _ in range(16)]
+  leaves[0][0] = 1.0
+  for leaf in leaves[1:]:
+    leaf[0] = 0.99 * 2.0 ** -24
+  return leaves
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_sums_of_a_million_entries_keep_their_error_bound(kernel, monkeypatch):
+  monkeypatch.setenv("OPTAXCLIP_KERNEL", kernel)
+  rows, leaves = _many_entries(), _groups()
+
+  @jax.jit
+  def norms(rows, leaves):
+    roots = [leaves[0]] + [jnp.sqrt(x) for x in leaves[1:]]
+    return ({p: jax.vmap(lambda v, p=p: F.global_norm(v, ord=p))(rows)
+             for p in SUM_ORDERS},
+            {1.0: F.global_norm(leaves, ord=1), 2.0: F.global_norm(roots)})
+
+  by_order, by_groups = jax.device_get(norms(rows, leaves))
+  u = 2.0 ** -24  # float32's unit roundoff
+  wide = np.abs(rows.astype(np.float64))
+  for p, got in by_order.items():
+    # float64 sums (numpy's are pairwise): 2**-40 relative at worst here.
+    error = np.abs(got / np.sum(wide ** p, axis=1) ** (1 / p) - 1)
+    # log2(n) roundings of a balanced sum; one variadic reduction added one
+    # entry after the other on the CPU: 62000 u off (p = 0.5).
+    assert np.all(error <= math.log2(rows.shape[1]) * u), (p, error / u)
+  exact = 1 + 15 * 0.99 * 2.0 ** -24
+  for p, got in by_groups.items():
+    error = abs(float(got) / exact ** (1 / p) - 1)
+    # Pairwise: log2(16) roundings at most; one after the other: 15 u lost.
+    assert error <= 4 * u, (p, error / u)
