@@ -25,12 +25,29 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optaxclip._core._mesh import Keep, Reduction, gathered, layout_spec
+from optaxclip._core._mesh import Keep, Reduction, gathered, layout_spec, mesh_size
 
-# Leaves up to this many elements are grouped with others.
-GROUP_LIMIT = 1 << 15
+
+class Layout(NamedTuple):
+  """Which leaves a total merges: those up to ``limit`` entries, at most
+  ``size`` to a group."""
+  limit: int
+  size: int
+
+
+# XLA:CPU: one reduction per group of up to 256 leaves (docstring above).
+CPU = Layout(limit=1 << 15, size=256)
+# XLA:GPU fuses a concatenation into the reduction that reads it while it
+# has few operands, and its compile time grows with their number times the
+# work per entry (H100, deviceless, 200 small leaves, Blue's sums: 32 to a
+# group 15 fusions in ~3x the compile time of 16 to a group, 27 fusions):
+# leaves up to 2**18 entries (LoRA adapters), 16 to a group.
+ACCELERATOR = Layout(limit=1 << 18, size=16)
+# Leaves up to this many elements are grouped with others (per-unit norms,
+# and totals on the CPU).
+GROUP_LIMIT = CPU.limit
 # At most this many leaves per group.
-GROUP_SIZE = 256
+GROUP_SIZE = CPU.size
 
 
 def _take(vector: jax.Array, indices) -> jax.Array:
@@ -75,27 +92,30 @@ def _stacking_layout(x: jax.Array) -> Any:
   """
   spec = layout_spec(x)
   if spec == "auto":
-    return None
+    return () if mesh_size(x) == 1 else None
   return () if spec is None else ("explicit", spec)
 
 
 def _plan(leaves: Sequence[jax.Array], keep: Sequence[Keep], *,
-          merge: bool) -> list[tuple[bool, list[int]]]:
+          merge: Layout | None) -> list[tuple[bool, list[int]]]:
   """Which leaves go together: ``(merged, leaf indices)`` per group."""
   by_key: dict[Any, list[int]] = {}
   for i, (x, kept) in enumerate(zip(leaves, keep)):
     layout = _stacking_layout(x)
-    if x.size > GROUP_LIMIT or layout is None:
-      key = i
-    elif merge and layout == ():
+    if merge is not None and layout == () and x.size <= merge.limit:
       key = ("flat", x.dtype)
+    elif x.size > GROUP_LIMIT or layout is None:
+      key = i
     else:
       key = (x.shape, x.dtype, layout, kept)
     by_key.setdefault(key, []).append(i)
-  return [(isinstance(key, tuple) and key[0] == "flat",
-           all_rows[start:start + GROUP_SIZE])
-          for key, all_rows in by_key.items()
-          for start in range(0, len(all_rows), GROUP_SIZE)]
+  plan = []
+  for key, all_rows in by_key.items():
+    flat = isinstance(key, tuple) and key[0] == "flat"
+    size = merge.size if flat and merge is not None else GROUP_SIZE
+    plan += [(flat, all_rows[start:start + size])
+             for start in range(0, len(all_rows), size)]
+  return plan
 
 
 def _flat(reduced: jax.Array) -> jax.Array:
@@ -117,13 +137,14 @@ def _in_order(pieces: list[jax.Array], order: np.ndarray) -> jax.Array:
 class Grouped:
   """``leaves`` in groups; each leaf's units are its ``keep`` axes' entries.
 
-  With ``merge`` (a total that needs no per-leaf partials), small unsharded
-  leaves of one dtype are concatenated whatever their shapes: one reduction
-  per ``GROUP_SIZE`` leaves.
+  With ``merge`` (a total that needs no per-leaf partials: the ``Layout``
+  of the platform the norm runs on), small unsharded leaves of one dtype
+  are concatenated whatever their shapes: one reduction per group.
   """
 
   def __init__(self, leaves: Sequence[jax.Array],
-               keep: Sequence[Keep] | None = None, *, merge: bool = False,
+               keep: Sequence[Keep] | None = None, *,
+               merge: Layout | None = None,
                plan: list[tuple[bool, list[int]]] | None = None):
     keep = [()] * len(leaves) if keep is None else list(keep)
     self.plan = _plan(leaves, keep, merge=merge) if plan is None else plan
@@ -220,6 +241,33 @@ def _sums(values: tuple[jax.Array, ...], axis) -> tuple[jax.Array, ...]:
   return tuple(jnp.sum(v, axis=axis) for v in values)
 
 
+class Banded(NamedTuple):
+  """Per entry, one value in one of ``bands`` sums (its ``band``): what an
+  ``elementwise`` of ``reduce_many`` may give instead of one array per
+  sum, zero outside its band."""
+  value: jax.Array
+  band: jax.Array  # int32, in range(bands)
+  bands: int
+  parts: bool = False  # a last axis of parts (a complex entry's two) to add
+
+  def split(self) -> tuple[jax.Array, ...]:
+    """Each band's values (zero elsewhere), shaped as the entries."""
+    out = tuple(jnp.where(self.band == i, self.value, 0)
+                for i in range(self.bands))
+    return tuple(jnp.sum(v, axis=-1) for v in out) if self.parts else out
+
+  def sums(self) -> tuple[jax.Array, ...]:
+    """The bands' sums as one reduction, of the values against a one-hot
+    of their bands: XLA:GPU fuses a merged group's concatenation into it
+    and compiles the entry's work once (sibling sums of one concatenation
+    make it write them out: H100, deviceless, 6.2 passes; a stack of the
+    bands' values, three copies of that work, compiles ~3x slower)."""
+    hot = self.band[..., None] == jnp.arange(self.bands, dtype=self.band.dtype)
+    summed = jnp.sum(jnp.where(hot, self.value[..., None], 0),
+                     axis=tuple(range(self.value.ndim)))
+    return tuple(summed[i] for i in range(self.bands))
+
+
 def _added(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]):
   return tuple(x + y for x, y in zip(a, b))
 
@@ -241,10 +289,17 @@ def reduce_many(grouped: Grouped, elementwise: Callable[[Any, Group], tuple],
     results = []
     for group in groups:
       out = elementwise(group.values, group)
+      if isinstance(out, Banded) and group.units is None:
+        results.append(out.sums())  # a merged group: one reduction
+        continue
+      out = out.split() if isinstance(out, Banded) else out
       results.append(reducer(out, axis=tuple(range(out[0].ndim))))
     return across(functools.reduce(combine, results), ())
-  partials = across(grouped.per_unit(groups, elementwise, reducer),
-                    grouped.sizes)
+  def split(values, group):
+    out = elementwise(values, group)
+    return out.split() if isinstance(out, Banded) else out
+
+  partials = across(grouped.per_unit(groups, split, reducer), grouped.sizes)
   return reducer(partials, axis=(0,)) if total else partials
 
 

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from optaxclip._core import _exact
-from optaxclip._core._batching import Grouped, reduce, reduce_many
+from optaxclip._core._batching import Banded, Grouped, reduce, reduce_many
 from optaxclip._core._mesh import Reduction, layout_spec
 from optaxclip._core._sums import (
   elementwise_power,
@@ -103,17 +103,27 @@ def _parts(x: jax.Array, acc) -> list[jax.Array]:
   return [x]
 
 
-def _blue_sums(x: jax.Array, acc) -> tuple[jax.Array, ...]:
-  """Per entry, its square in the small, medium and big accumulator."""
+def _blue_sums(x: jax.Array, acc) -> Banded:
+  """Per entry, its square in the small, medium or big accumulator (of a
+  complex entry, of each part)."""
   blue = _Blue.of(acc)
-  out = [jnp.zeros([], acc)] * 3
+  info = jnp.finfo(acc)
+  parts = []
   for part in _parts(x, acc):
     y, small, big = _bands(part, acc, blue.small, blue.big)
-    medium = ~(small | big)
-    terms = (_scaled(y, small, blue.small_scale, acc),
-             jnp.where(medium, y, 0), _scaled(y, big, blue.big_scale, acc))
-    out = [a + t * t for a, t in zip(out, terms)]
-  return tuple(out)
+    # Constant factors, each a normal float, and no subnormal path for big
+    # entries: fewer ops per entry (XLA:GPU compiles them once per leaf of
+    # a merged group); the same numbers as ``_scaled``.
+    bits = _exact.magnitude_bits(y)
+    up = jnp.where(bits < (1 << info.nmant),
+                   bits.astype(acc) * 2.0 ** (blue.small_scale + info.minexp - info.nmant),
+                   jnp.abs(y) * 2.0 ** blue.small_scale)
+    t = jnp.where(small, up, jnp.where(big, y * 2.0 ** blue.big_scale, y))
+    parts.append((t * t, jnp.where(small, 0, jnp.where(big, 2, 1))))
+  if len(parts) == 1:
+    return Banded(*parts[0], 3)
+  values, bands = zip(*parts)
+  return Banded(jnp.stack(values, -1), jnp.stack(bands, -1), 3, parts=True)
 
 
 def _blue_norms(sums: tuple[jax.Array, ...], divisor) -> jax.Array:
