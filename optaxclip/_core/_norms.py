@@ -52,15 +52,17 @@ def kernel() -> str:
 
 
 def _traced_platform(leaves) -> str | None:
-  """The platform the norm is traced for, where tracing can tell: the mesh
-  of the leaves' shardings (deviceless compiles, sharded ``jit``,
-  ``shard_map``), else the CPU where it is the only backend in use; None
-  where only lowering will tell."""
+  """The platform the norm is traced for, where tracing can tell: that of
+  the devices of the leaves' mesh (inputs with a ``NamedSharding``, as in
+  deviceless compiles, sharded ``jit``, ``shard_map``). None where only
+  lowering will tell: a plain ``jit`` may still be lowered for another
+  platform (``.trace(...).lower(lowering_platforms=...)``, ``jax.export``),
+  so the default backend does not decide."""
   for x in leaves:
     platform = mesh_platform(x)
     if platform is not None:
       return platform
-  return "cpu" if jax.default_backend() == "cpu" else None
+  return None
 
 
 def _norms_by_platform(leaves, grouped: Callable[[Layout | None], Grouped],
