@@ -242,7 +242,7 @@ def test_program_grows_by_groups_not_by_leaves(count):
   tree = many_leaf_tree(count)
   sizes = [sum(x.dtype == dtype for x in tree) for dtype in {x.dtype for x in tree}]
   batching = oc._core._batching
-  limit = (batching.ACCELERATOR if ONE_PASS else batching.CPU).size
+  limit = (batching.GPU if ONE_PASS else batching.CPU).size
   groups = [min(limit, n - start) for n in sizes for start in range(0, n, limit)]
   assert len(groups) * (10 if ONE_PASS else 40) < count  # many leaves per group
   norm = lambda t: F.global_norm(t)

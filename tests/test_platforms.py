@@ -118,7 +118,7 @@ def test_the_one_pass_kernel_reduces_each_leaf_once(monkeypatch):
   # reduction of a one-hot of their bands (`Banded`); other orders: one
   # variadic reduction, one read everywhere (cost analysis).
   monkeypatch.setenv("OPTAXCLIP_KERNEL", "one_pass")
-  large = oc._core._batching.ACCELERATOR.limit + 1
+  large = oc._core._batching.GPU.banded + 1
   tree = {"w": jnp.ones((large,)), "b": jnp.ones((256,)), "c": jnp.ones((16, 16))}
   text = jax.jit(F.global_norm).lower(tree).as_text(dialect="hlo")
   reduces = [line for line in text.splitlines() if " reduce(" in line]

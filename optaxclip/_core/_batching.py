@@ -30,19 +30,28 @@ from optaxclip._core._mesh import Keep, Reduction, gathered, layout_spec, mesh_s
 
 class Layout(NamedTuple):
   """Which leaves a total merges: those up to ``limit`` entries, at most
-  ``size`` to a group."""
+  ``size`` to a group; and up to which size a leaf's (or a group's) sums of
+  several values are taken as one reduction of their bands (``Banded``)."""
   limit: int
   size: int
+  banded: int = 0
 
 
 # XLA:CPU: one reduction per group of up to 256 leaves (docstring above).
 CPU = Layout(limit=1 << 15, size=256)
 # XLA:GPU fuses a concatenation into the reduction that reads it while it
 # has few operands, and its compile time grows with their number times the
-# work per entry (H100, deviceless, 200 small leaves, Blue's sums: 32 to a
-# group 15 fusions in ~3x the compile time of 16 to a group, 27 fusions):
-# leaves up to 2**18 entries (LoRA adapters), 16 to a group.
-ACCELERATOR = Layout(limit=1 << 18, size=16)
+# work per entry (H100, deviceless, 200 small leaves, Blue's sums: 16 to a
+# group 27 fusions, 1.03 passes; 32 or 64 to a group, 15 or 9 fusions, 3x or
+# 10x the compile time; 32 of those heavier sums no longer fuse): small
+# leaves, 16 to a group. Leaves up to 2**18 entries (LoRA adapters) sum
+# their bands as one reduction: 2 fusions a leaf, 1.02 passes (three
+# sibling sums: 4 fusions a leaf; merged, they write out a mask).
+GPU = Layout(limit=1 << 15, size=16, banded=1 << 18)
+# XLA:TPU relayouts a flattened 2-D leaf (a copy), but fewer kernels remain
+# merged (200 small leaves: 335 against 831 per leaf); a LoRA-sized leaf's
+# bands as one reduction read it twice (sibling sums: once).
+TPU = Layout(limit=1 << 15, size=16, banded=1 << 15)
 # Leaves up to this many elements are grouped with others (per-unit norms,
 # and totals on the CPU).
 GROUP_LIMIT = CPU.limit
@@ -148,6 +157,7 @@ class Grouped:
                plan: list[tuple[bool, list[int]]] | None = None):
     keep = [()] * len(leaves) if keep is None else list(keep)
     self.plan = _plan(leaves, keep, merge=merge) if plan is None else plan
+    self.layout = merge
     self.keep = keep
     self.kept_shapes = [tuple(x.shape[a] for a in k)
                         for x, k in zip(leaves, keep)]
@@ -289,8 +299,8 @@ def reduce_many(grouped: Grouped, elementwise: Callable[[Any, Group], tuple],
     results = []
     for group in groups:
       out = elementwise(group.values, group)
-      if isinstance(out, Banded) and group.units is None:
-        results.append(out.sums())  # a merged group: one reduction
+      if isinstance(out, Banded):
+        results.append(out.sums())  # one reduction, a merged group's too
         continue
       out = out.split() if isinstance(out, Banded) else out
       results.append(reducer(out, axis=tuple(range(out[0].ndim))))

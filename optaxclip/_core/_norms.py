@@ -23,7 +23,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from optaxclip import _tree
-from optaxclip._core._batching import ACCELERATOR, CPU, Grouped, Layout
+from optaxclip._core._batching import CPU, GPU, TPU, Grouped, Layout
 from optaxclip._core._mesh import LOCAL, Keep, Reduction, mesh_platform
 from optaxclip._core._one_pass import norms_one_pass
 from optaxclip._core._sums import is_order, norms_of, rescue_enabled
@@ -71,15 +71,18 @@ def _norms_by_platform(leaves, grouped: Callable[[Layout | None], Grouped],
   """The norms from the kernel ``choice`` names (``kernel()``), each over
   the leaves grouped as suits its platform: the same numbers within the
   accuracy contract, each the same on every platform."""
+  platform = _traced_platform(leaves)
   rescue = lambda: norms_of(grouped(CPU), p, acc, reduction,  # noqa: E731
                             total=total, divisor=divisor)
-  one_pass = lambda: norms_one_pass(grouped(ACCELERATOR), p, acc,  # noqa: E731
+  # The layout alone differs between GPU and TPU (the same numbers within
+  # the contract): where tracing cannot tell, the default backend's.
+  layout = TPU if (platform or jax.default_backend()) == "tpu" else GPU
+  one_pass = lambda: norms_one_pass(grouped(layout), p, acc,  # noqa: E731
                                     reduction, total=total, divisor=divisor)
   if is_order(p, math.inf) or not rescue_enabled() or choice == "rescue":
     return rescue()  # a maximum (or the plain sums) needs no rescue
   if choice == "one_pass":
     return one_pass()
-  platform = _traced_platform(leaves)
   if platform is not None:  # only the kernel that will run is traced
     return rescue() if platform == "cpu" else one_pass()
   # Lowered for one platform, only its branch is in the program.

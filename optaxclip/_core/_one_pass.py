@@ -103,9 +103,23 @@ def _parts(x: jax.Array, acc) -> list[jax.Array]:
   return [x]
 
 
-def _blue_sums(x: jax.Array, acc) -> Banded:
-  """Per entry, its square in the small, medium or big accumulator (of a
-  complex entry, of each part)."""
+def _blue_sums(x: jax.Array, acc) -> tuple[jax.Array, ...]:
+  """Per entry, its square in the small, medium and big accumulator."""
+  blue = _Blue.of(acc)
+  out = [jnp.zeros([], acc)] * 3
+  for part in _parts(x, acc):
+    y, small, big = _bands(part, acc, blue.small, blue.big)
+    medium = ~(small | big)
+    terms = (_scaled(y, small, blue.small_scale, acc),
+             jnp.where(medium, y, 0), _scaled(y, big, blue.big_scale, acc))
+    out = [a + t * t for a, t in zip(out, terms)]
+  return tuple(out)
+
+
+def _blue_bands(x: jax.Array, acc) -> Banded:
+  """Per entry, its square and which accumulator it goes to (of a complex
+  entry, of each part): the three sums as one reduction (``Banded``),
+  which XLA:GPU fuses with a concatenation of small leaves."""
   blue = _Blue.of(acc)
   info = jnp.finfo(acc)
   parts = []
@@ -237,8 +251,12 @@ def norms_one_pass(grouped: Grouped, p: Any, acc, reduction: Reduction, *,
   of them), reading each entry once (see the module docstring)."""
   divisor = jnp.ones([], acc) if divisor is None else divisor
   if is_order(p, 2):
-    sums = reduce_many(grouped, lambda x, _: _blue_sums(x, acc), reduction,
-                       total=total)
+    banded = grouped.layout.banded if total and grouped.layout else 0
+
+    def blue(x, group):
+      del group  # the platform's layout says which sums are one reduction
+      return _blue_bands(x, acc) if x.size <= banded else _blue_sums(x, acc)
+    sums = reduce_many(grouped, blue, reduction, total=total)
     return _blue_norms(sums, divisor)
   complex_leaves = any(jnp.iscomplexobj(group.values) for group in grouped.groups)
   on_a_mesh = any(layout_spec(group.values) is not None for group in grouped.groups)
