@@ -30,10 +30,12 @@ from optaxclip._core._mesh import Keep, Reduction, gathered, layout_spec, mesh_s
 
 class Layout(NamedTuple):
   """Which leaves a total merges: those up to ``limit`` entries, at most
-  ``size`` to a group; and up to which size a leaf's (or a group's) sums of
-  several values are taken as one reduction of their bands (``Banded``)."""
+  ``size`` of them and ``entries`` entries to a group; and up to which size
+  a leaf's sums of several values are one reduction of their bands
+  (``Banded``; a merged group's always are)."""
   limit: int
   size: int
+  entries: int = 1 << 62
   banded: int = 0
 
 
@@ -44,14 +46,15 @@ CPU = Layout(limit=1 << 15, size=256)
 # work per entry (H100, deviceless, 200 small leaves, Blue's sums: 16 to a
 # group 27 fusions, 1.03 passes; 32 or 64 to a group, 15 or 9 fusions, 3x or
 # 10x the compile time; 32 of those heavier sums no longer fuse): small
-# leaves, 16 to a group. Leaves up to 2**18 entries (LoRA adapters) sum
-# their bands as one reduction: 2 fusions a leaf, 1.02 passes (three
-# sibling sums: 4 fusions a leaf; merged, they write out a mask).
-GPU = Layout(limit=1 << 15, size=16, banded=1 << 18)
+# leaves, 16 (and 2**16 entries) to a group. Leaves up to 2**18 entries
+# (LoRA adapters) sum their bands as one reduction: 2 fusions a leaf, 1.02
+# passes (three sibling sums: 4 fusions a leaf; merged by 4 or more,
+# 400k entries, they write out a mask).
+GPU = Layout(limit=1 << 15, size=16, entries=1 << 16, banded=1 << 18)
 # XLA:TPU relayouts a flattened 2-D leaf (a copy), but fewer kernels remain
 # merged (200 small leaves: 335 against 831 per leaf); a LoRA-sized leaf's
 # bands as one reduction read it twice (sibling sums: once).
-TPU = Layout(limit=1 << 15, size=16, banded=1 << 15)
+TPU = Layout(limit=1 << 15, size=16, entries=1 << 16, banded=1 << 15)
 # Leaves up to this many elements are grouped with others (per-unit norms,
 # and totals on the CPU).
 GROUP_LIMIT = CPU.limit
@@ -120,10 +123,20 @@ def _plan(leaves: Sequence[jax.Array], keep: Sequence[Keep], *,
     by_key.setdefault(key, []).append(i)
   plan = []
   for key, all_rows in by_key.items():
-    flat = isinstance(key, tuple) and key[0] == "flat"
-    size = merge.size if flat and merge is not None else GROUP_SIZE
-    plan += [(flat, all_rows[start:start + size])
-             for start in range(0, len(all_rows), size)]
+    if not (isinstance(key, tuple) and key[0] == "flat"):
+      plan += [(False, all_rows[start:start + GROUP_SIZE])
+               for start in range(0, len(all_rows), GROUP_SIZE)]
+      continue
+    assert merge is not None
+    rows, entries = [], 0
+    for i in all_rows:  # in order, up to `size` leaves and `entries` entries
+      if rows and (len(rows) == merge.size
+                   or entries + leaves[i].size > merge.entries):
+        plan.append((True, rows))
+        rows, entries = [], 0
+      rows.append(i)
+      entries += leaves[i].size
+    plan.append((True, rows))
   return plan
 
 
@@ -253,18 +266,11 @@ def _sums(values: tuple[jax.Array, ...], axis) -> tuple[jax.Array, ...]:
 
 class Banded(NamedTuple):
   """Per entry, one value in one of ``bands`` sums (its ``band``): what an
-  ``elementwise`` of ``reduce_many`` may give instead of one array per
-  sum, zero outside its band."""
+  ``elementwise`` of ``reduce_many`` may give, for a total, instead of one
+  array per sum (zero outside its band)."""
   value: jax.Array
   band: jax.Array  # int32, in range(bands)
   bands: int
-  parts: bool = False  # a last axis of parts (a complex entry's two) to add
-
-  def split(self) -> tuple[jax.Array, ...]:
-    """Each band's values (zero elsewhere), shaped as the entries."""
-    out = tuple(jnp.where(self.band == i, self.value, 0)
-                for i in range(self.bands))
-    return tuple(jnp.sum(v, axis=-1) for v in out) if self.parts else out
 
   def sums(self) -> tuple[jax.Array, ...]:
     """The bands' sums as one reduction, of the values against a one-hot
@@ -291,7 +297,8 @@ def reduce_many(grouped: Grouped, elementwise: Callable[[Any, Group], tuple],
   each, or ``reducer``/``combine`` of them together, as a variadic
   reduction): each group is read once for all of them, and they cross the
   devices together (``across(partials, sizes)``; by default one
-  all-reduce of the sums side by side)."""
+  all-reduce of the sums side by side). For a total, ``elementwise`` may
+  give a ``Banded`` instead: its sums are one reduction."""
   groups = grouped.groups
   if across is None:
     across = functools.partial(_sums_across, reduction)
@@ -300,16 +307,12 @@ def reduce_many(grouped: Grouped, elementwise: Callable[[Any, Group], tuple],
     for group in groups:
       out = elementwise(group.values, group)
       if isinstance(out, Banded):
-        results.append(out.sums())  # one reduction, a merged group's too
+        results.append(out.sums())
         continue
-      out = out.split() if isinstance(out, Banded) else out
       results.append(reducer(out, axis=tuple(range(out[0].ndim))))
     return across(functools.reduce(combine, results), ())
-  def split(values, group):
-    out = elementwise(values, group)
-    return out.split() if isinstance(out, Banded) else out
-
-  partials = across(grouped.per_unit(groups, split, reducer), grouped.sizes)
+  partials = across(grouped.per_unit(groups, elementwise, reducer),
+                    grouped.sizes)
   return reducer(partials, axis=(0,)) if total else partials
 
 

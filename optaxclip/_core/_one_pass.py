@@ -135,9 +135,9 @@ def _blue_bands(x: jax.Array, acc) -> Banded:
     t = jnp.where(small, up, jnp.where(big, y * 2.0 ** blue.big_scale, y))
     parts.append((t * t, jnp.where(small, 0, jnp.where(big, 2, 1))))
   if len(parts) == 1:
-    return Banded(*parts[0], 3)
-  values, bands = zip(*parts)
-  return Banded(jnp.stack(values, -1), jnp.stack(bands, -1), 3, parts=True)
+    return Banded(parts[0][0], parts[0][1], 3)
+  values, bands = zip(*parts)  # a complex entry: its parts side by side
+  return Banded(jnp.stack(values, -1), jnp.stack(bands, -1), 3)
 
 
 def _blue_norms(sums: tuple[jax.Array, ...], divisor) -> jax.Array:
@@ -251,11 +251,13 @@ def norms_one_pass(grouped: Grouped, p: Any, acc, reduction: Reduction, *,
   of them), reading each entry once (see the module docstring)."""
   divisor = jnp.ones([], acc) if divisor is None else divisor
   if is_order(p, 2):
-    banded = grouped.layout.banded if total and grouped.layout else 0
+    banded = grouped.layout.banded if grouped.layout else 0
 
     def blue(x, group):
-      del group  # the platform's layout says which sums are one reduction
-      return _blue_bands(x, acc) if x.size <= banded else _blue_sums(x, acc)
+      # A merged group, or a leaf up to the platform's size: one reduction.
+      if total and (group.units is None or x.size <= banded):
+        return _blue_bands(x, acc)
+      return _blue_sums(x, acc)
     sums = reduce_many(grouped, blue, reduction, total=total)
     return _blue_norms(sums, divisor)
   complex_leaves = any(jnp.iscomplexobj(group.values) for group in grouped.groups)
