@@ -235,19 +235,21 @@ def count_ops(fn, tree, op):
 @pytest.mark.parametrize("count", [300, 1200])
 def test_program_grows_by_groups_not_by_leaves(count):
   # Compile time stays flat in the number of leaves because every group of
-  # up to GROUP_SIZE small leaves of one dtype is one concatenation and one
-  # reduction (and one more in the rarely taken overflow branch), not one
-  # reduction per leaf. Elementwise ops still scale with the leaves.
+  # small leaves of one dtype (up to the kernel's layout's size) is one
+  # concatenation and one reduction (the rescue: one more in the rarely
+  # taken overflow branch), not one reduction per leaf. Elementwise ops
+  # still scale with the leaves.
   tree = many_leaf_tree(count)
   sizes = [sum(x.dtype == dtype for x in tree) for dtype in {x.dtype for x in tree}]
-  limit = oc._core._batching.GROUP_SIZE
+  batching = oc._core._batching
+  limit = (batching.GPU if ONE_PASS else batching.CPU).size
   groups = [min(limit, n - start) for n in sizes for start in range(0, n, limit)]
-  assert len(groups) * 40 < count  # many leaves per group
+  assert len(groups) * (10 if ONE_PASS else 40) < count  # many leaves per group
   norm = lambda t: F.global_norm(t)
   assert count_ops(norm, tree, "concatenate") == sum(g > 1 for g in groups)
   # The rescue reduces each group twice (once in its branch); the one-pass
-  # kernel three times, sibling sums that XLA:GPU fuses into one read.
-  per_group = 3 if ONE_PASS else 2
+  # kernel once, its three sums side by side (`Banded`).
+  per_group = 1 if ONE_PASS else 2
   assert count_ops(norm, tree, "reduce") == per_group * len(groups)
   clip = lambda t: F.clip_by_global_norm(t, 1.0)
   assert count_ops(clip, tree, "reduce") == per_group * len(groups)

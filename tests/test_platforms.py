@@ -112,17 +112,22 @@ def test_the_cpu_window_check_keeps_its_branch():
 
 
 def test_the_one_pass_kernel_reduces_each_leaf_once(monkeypatch):
-  # p = 2: three sibling sums of one input per leaf, which XLA:GPU fuses into
-  # one read (XLA:CPU reads each: counted here before optimisation);
-  # other orders: variadic reductions in blocks of 16 (an error bound that
-  # holds in any order of addition), one read of the tree everywhere, plus
-  # the blocks' (exponent, sum) pairs: 8 bytes per 16 entries, written once
-  # and read once (cost analysis).
+  # p = 2: three sibling sums of one input per large leaf, which XLA:GPU
+  # fuses into one read (XLA:CPU reads each: counted here before
+  # optimisation); small leaves concatenated, their three sums one
+  # reduction of a one-hot of their bands (`Banded`); other orders:
+  # variadic reductions in blocks of 16 (an error bound that holds in any
+  # order of addition), one read of the tree everywhere, plus the blocks'
+  # (exponent, sum) pairs: 8 bytes per 16 entries, written once and read
+  # once (cost analysis).
   monkeypatch.setenv("OPTAXCLIP_KERNEL", "one_pass")
-  tree = {"w": jnp.ones((256, 256)), "b": jnp.ones((256,))}
+  large = oc._core._batching.GPU.banded + 1
+  tree = {"w": jnp.ones((large,)), "b": jnp.ones((256,)), "c": jnp.ones((16, 16))}
   text = jax.jit(F.global_norm).lower(tree).as_text(dialect="hlo")
   reduces = [line for line in text.splitlines() if " reduce(" in line]
-  assert len(reduces) == 3 * 2 and all("f32[] reduce(" in line for line in reduces)
+  assert len(reduces) == 3 + 1
+  assert sum("f32[] reduce(" in line for line in reduces) == 3
+  assert sum("f32[3]{0} reduce(" in line for line in reduces) == 1
   compiled = jax.jit(lambda t: F.global_norm(t, 3)).lower(tree).compile()
   tree_bytes = sum(x.nbytes for x in jax.tree.leaves(tree))
   partials = 2 * 8 / (4 * 16)

@@ -25,12 +25,41 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optaxclip._core._mesh import Keep, Reduction, gathered, layout_spec
+from optaxclip._core._mesh import Keep, Reduction, gathered, layout_spec, mesh_size
 
-# Leaves up to this many elements are grouped with others.
-GROUP_LIMIT = 1 << 15
+
+class Layout(NamedTuple):
+  """Which leaves a total merges: those up to ``limit`` entries, at most
+  ``size`` of them and ``entries`` entries to a group; and up to which size
+  a leaf's sums of several values are one reduction of their bands
+  (``Banded``; a merged group's always are)."""
+  limit: int
+  size: int
+  entries: int = 1 << 62
+  banded: int = 0
+
+
+# XLA:CPU: one reduction per group of up to 256 leaves (docstring above).
+CPU = Layout(limit=1 << 15, size=256)
+# XLA:GPU fuses a concatenation into the reduction that reads it while it
+# has few operands, and its compile time grows with their number times the
+# work per entry (H100, deviceless, 200 small leaves, Blue's sums: 16 to a
+# group 27 fusions, 1.03 passes; 32 or 64 to a group, 15 or 9 fusions, 3x or
+# 10x the compile time; 32 of those heavier sums no longer fuse): small
+# leaves, 16 (and 2**16 entries) to a group. Leaves up to 2**18 entries
+# (LoRA adapters) sum their bands as one reduction: 2 fusions a leaf, 1.02
+# passes (three sibling sums: 4 fusions a leaf; merged by 4 or more,
+# 400k entries, they write out a mask).
+GPU = Layout(limit=1 << 15, size=16, entries=1 << 16, banded=1 << 18)
+# XLA:TPU relayouts a flattened 2-D leaf (a copy), but fewer kernels remain
+# merged (200 small leaves: 335 against 831 per leaf); a LoRA-sized leaf's
+# bands as one reduction read it twice (sibling sums: once).
+TPU = Layout(limit=1 << 15, size=16, entries=1 << 16, banded=1 << 15)
+# Leaves up to this many elements are grouped with others (per-unit norms,
+# and totals on the CPU).
+GROUP_LIMIT = CPU.limit
 # At most this many leaves per group.
-GROUP_SIZE = 256
+GROUP_SIZE = CPU.size
 
 
 def _take(vector: jax.Array, indices) -> jax.Array:
@@ -75,27 +104,40 @@ def _stacking_layout(x: jax.Array) -> Any:
   """
   spec = layout_spec(x)
   if spec == "auto":
-    return None
+    return () if mesh_size(x) == 1 else None
   return () if spec is None else ("explicit", spec)
 
 
 def _plan(leaves: Sequence[jax.Array], keep: Sequence[Keep], *,
-          merge: bool) -> list[tuple[bool, list[int]]]:
+          merge: Layout | None) -> list[tuple[bool, list[int]]]:
   """Which leaves go together: ``(merged, leaf indices)`` per group."""
   by_key: dict[Any, list[int]] = {}
   for i, (x, kept) in enumerate(zip(leaves, keep)):
     layout = _stacking_layout(x)
-    if x.size > GROUP_LIMIT or layout is None:
-      key = i
-    elif merge and layout == ():
+    if merge is not None and layout == () and x.size <= merge.limit:
       key = ("flat", x.dtype)
+    elif x.size > GROUP_LIMIT or layout is None:
+      key = i
     else:
       key = (x.shape, x.dtype, layout, kept)
     by_key.setdefault(key, []).append(i)
-  return [(isinstance(key, tuple) and key[0] == "flat",
-           all_rows[start:start + GROUP_SIZE])
-          for key, all_rows in by_key.items()
-          for start in range(0, len(all_rows), GROUP_SIZE)]
+  plan = []
+  for key, all_rows in by_key.items():
+    if not (isinstance(key, tuple) and key[0] == "flat"):
+      plan += [(False, all_rows[start:start + GROUP_SIZE])
+               for start in range(0, len(all_rows), GROUP_SIZE)]
+      continue
+    assert merge is not None
+    rows, entries = [], 0
+    for i in all_rows:  # in order, up to `size` leaves and `entries` entries
+      if rows and (len(rows) == merge.size
+                   or entries + leaves[i].size > merge.entries):
+        plan.append((True, rows))
+        rows, entries = [], 0
+      rows.append(i)
+      entries += leaves[i].size
+    plan.append((True, rows))
+  return plan
 
 
 def _flat(reduced: jax.Array) -> jax.Array:
@@ -117,16 +159,18 @@ def _in_order(pieces: list[jax.Array], order: np.ndarray) -> jax.Array:
 class Grouped:
   """``leaves`` in groups; each leaf's units are its ``keep`` axes' entries.
 
-  With ``merge`` (a total that needs no per-leaf partials), small unsharded
-  leaves of one dtype are concatenated whatever their shapes: one reduction
-  per ``GROUP_SIZE`` leaves.
+  With ``merge`` (a total that needs no per-leaf partials: the ``Layout``
+  of the platform the norm runs on), small unsharded leaves of one dtype
+  are concatenated whatever their shapes: one reduction per group.
   """
 
   def __init__(self, leaves: Sequence[jax.Array],
-               keep: Sequence[Keep] | None = None, *, merge: bool = False,
+               keep: Sequence[Keep] | None = None, *,
+               merge: Layout | None = None,
                plan: list[tuple[bool, list[int]]] | None = None):
     keep = [()] * len(leaves) if keep is None else list(keep)
     self.plan = _plan(leaves, keep, merge=merge) if plan is None else plan
+    self.layout = merge
     self.keep = keep
     self.kept_shapes = [tuple(x.shape[a] for a in k)
                         for x, k in zip(leaves, keep)]
@@ -231,6 +275,26 @@ def _sums(values: tuple[jax.Array, ...], axis) -> tuple[jax.Array, ...]:
   return tuple(jnp.sum(v, axis=axis) for v in values)
 
 
+class Banded(NamedTuple):
+  """Per entry, one value in one of ``bands`` sums (its ``band``): what an
+  ``elementwise`` of ``reduce_many`` may give, for a total, instead of one
+  array per sum (zero outside its band)."""
+  value: jax.Array
+  band: jax.Array  # int32, in range(bands)
+  bands: int
+
+  def sums(self) -> tuple[jax.Array, ...]:
+    """The bands' sums as one reduction, of the values against a one-hot
+    of their bands: XLA:GPU fuses a merged group's concatenation into it
+    and compiles the entry's work once (sibling sums of one concatenation
+    make it write them out: H100, deviceless, 6.2 passes; a stack of the
+    bands' values, three copies of that work, compiles ~3x slower)."""
+    hot = self.band[..., None] == jnp.arange(self.bands, dtype=self.band.dtype)
+    summed = jnp.sum(jnp.where(hot, self.value[..., None], 0),
+                     axis=tuple(range(self.value.ndim)))
+    return tuple(summed[i] for i in range(self.bands))
+
+
 def _added(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]):
   return tuple(x + y for x, y in zip(a, b))
 
@@ -244,7 +308,8 @@ def reduce_many(grouped: Grouped, elementwise: Callable[[Any, Group], tuple],
   each, or ``reducer``/``combine`` of them together, as a variadic
   reduction): each group is read once for all of them, and they cross the
   devices together (``across(partials, sizes)``; by default one
-  all-reduce of the sums side by side)."""
+  all-reduce of the sums side by side). For a total, ``elementwise`` may
+  give a ``Banded`` instead: its sums are one reduction."""
   groups = grouped.groups
   if across is None:
     across = functools.partial(_sums_across, reduction)
@@ -252,6 +317,9 @@ def reduce_many(grouped: Grouped, elementwise: Callable[[Any, Group], tuple],
     results = []
     for group in groups:
       out = elementwise(group.values, group)
+      if isinstance(out, Banded):
+        results.append(out.sums())
+        continue
       results.append(reducer(out, axis=tuple(range(out[0].ndim))))
     return across(pairwise(combine, results), ())
   partials = across(grouped.per_unit(groups, elementwise, reducer),

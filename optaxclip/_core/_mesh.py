@@ -286,6 +286,21 @@ def _mesh(x: jax.Array) -> Any:
   return None if mesh is None or mesh.empty else mesh
 
 
+def mesh_size(x: jax.Array) -> int | None:
+  """How many devices the mesh ``x`` is laid out on while tracing has, or
+  None off any mesh."""
+  mesh = _mesh(x)
+  return None if mesh is None else mesh.size
+
+
+def mesh_platform(x: jax.Array) -> str | None:
+  """The platform (``"cpu"``, ``"cuda"``, ``"tpu"``...) of the devices of
+  the mesh ``x`` is laid out on while tracing, where its abstract mesh
+  records them (inputs with a ``NamedSharding``, ``shard_map``); else None."""
+  device = getattr(_mesh(x), "abstract_device", None)
+  return None if device is None else device.platform
+
+
 def layout_spec(x: jax.Array) -> Any:
   """``x``'s PartitionSpec (a tuple) while tracing; "auto" on a mesh with
   axes whose layouts the compiler picks (Auto); None off any mesh."""

@@ -23,8 +23,8 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from optaxclip import _tree
-from optaxclip._core._batching import Grouped
-from optaxclip._core._mesh import LOCAL, Keep, Reduction
+from optaxclip._core._batching import CPU, GPU, TPU, Grouped, Layout
+from optaxclip._core._mesh import LOCAL, Keep, Reduction, mesh_platform
 from optaxclip._core._one_pass import norms_one_pass
 from optaxclip._core._sums import is_order, norms_of, rescue_enabled
 from optaxclip._core._tangents import norm_tangents
@@ -51,21 +51,50 @@ def kernel() -> str:
   return choice
 
 
-def _norms_by_platform(grouped: Grouped, p, acc, reduction: Reduction,
-                       choice: str, *, total: bool, divisor=None
-                       ) -> jax.Array:
-  """The norms from the kernel ``choice`` names (``kernel()``): the same
-  numbers within the accuracy contract, each the same on every platform."""
-  args = (grouped, p, acc, reduction)
-  rescue = functools.partial(norms_of, *args, total=total, divisor=divisor)
-  one_pass = functools.partial(norms_one_pass, *args, total=total,
-                               divisor=divisor)
+def _traced_platform(leaves) -> str | None:
+  """The platform the norm is traced for, where tracing can tell: that of
+  the devices of the leaves' mesh (inputs with a ``NamedSharding``, as in
+  deviceless compiles, sharded ``jit``, ``shard_map``). None where only
+  lowering will tell: a plain ``jit`` may still be lowered for another
+  platform (``.trace(...).lower(lowering_platforms=...)``, ``jax.export``),
+  so the default backend does not decide."""
+  for x in leaves:
+    platform = mesh_platform(x)
+    if platform is not None:
+      return platform
+  return None
+
+
+def _norms_by_platform(leaves, grouped: Callable[[Layout | None], Grouped],
+                       p, acc, reduction: Reduction, choice: str, *,
+                       total: bool, divisor=None) -> jax.Array:
+  """The norms from the kernel ``choice`` names (``kernel()``), each over
+  the leaves grouped as suits its platform: the same numbers within the
+  accuracy contract, each the same on every platform."""
+  platform = _traced_platform(leaves)
+  target = platform or jax.default_backend()
+  # Layouts differ by platform; numbers only within the contract.
+  accelerator = TPU if target == "tpu" else GPU
+
+  def rescue() -> jax.Array:
+    return norms_of(grouped(CPU), p, acc, reduction, total=total,
+                    divisor=divisor)
+
+  def one_pass(layout: Layout = accelerator) -> jax.Array:
+    return norms_one_pass(grouped(layout), p, acc, reduction, total=total,
+                          divisor=divisor)
+
   if is_order(p, math.inf) or not rescue_enabled() or choice == "rescue":
     return rescue()  # a maximum (or the plain sums) needs no rescue
   if choice == "one_pass":
     return one_pass()
-  # Lowered for one platform, only its branch is in the program.
-  return lax.platform_dependent(cpu=rescue, default=one_pass)
+  if platform is not None:  # only the kernel that will run is traced
+    return rescue() if platform == "cpu" else one_pass()
+  # Lowered for one platform, only its branch is in the program. On a CPU
+  # machine the one-pass branch (traced, seldom lowered) keeps the CPU's
+  # few groups, which trace faster (the CPU's compile time).
+  fallback = CPU if target == "cpu" else accelerator
+  return lax.platform_dependent(cpu=rescue, default=lambda: one_pass(fallback))
 
 
 def _roots_of_sizes(leaves, keep, reduction: Reduction, acc) -> np.ndarray:
@@ -100,9 +129,10 @@ def _p_norms(leaves, p, reduction: Reduction, keep: tuple[Keep, ...] | None,
   roots = (_roots_of_sizes(leaves, keep or ((),) * len(leaves), reduction, acc)
            if rms else None)
 
-  def grouped(leaves):
+  def grouped(leaves, layout: Layout | None = CPU):
     # A total needs no per-leaf partials: small leaves of any shape merge.
-    return Grouped(leaves, keep, merge=total and reduction.replicated_axes is None)
+    merge = total and reduction.replicated_axes is None
+    return Grouped(leaves, keep, merge=layout if merge else None)
 
   def tangents(leaves, dots, out, p, dp=None):
     if roots is not None:  # d(norm / root) = d norm / root
@@ -113,8 +143,9 @@ def _p_norms(leaves, p, reduction: Reduction, keep: tuple[Keep, ...] | None,
 
   @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
   def static(leaves, p):
-    return _norms_by_platform(grouped(leaves), p, acc, reduction, choice,
-                              total=total, divisor=roots)
+    return _norms_by_platform(leaves, functools.partial(grouped, leaves), p,
+                              acc, reduction, choice, total=total,
+                              divisor=roots)
 
   @static.defjvp
   def static_jvp(p, primals, dots):
@@ -124,8 +155,8 @@ def _p_norms(leaves, p, reduction: Reduction, keep: tuple[Keep, ...] | None,
 
   @jax.custom_jvp
   def traced(leaves, p):
-    return _norms_by_platform(grouped(leaves), p, acc, reduction, choice,
-                              total=total)
+    return _norms_by_platform(leaves, functools.partial(grouped, leaves), p,
+                              acc, reduction, choice, total=total)
 
   def traced_jvp(primals, dots):
     (leaves, p), (dots, dp) = primals, dots

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from optaxclip._core import _exact
-from optaxclip._core._batching import Grouped, reduce, reduce_many
+from optaxclip._core._batching import Banded, Grouped, reduce, reduce_many
 from optaxclip._core._mesh import Reduction, layout_spec
 from optaxclip._core._sums import (
   elementwise_power,
@@ -128,6 +128,30 @@ def _hypot(high: jax.Array, low: jax.Array) -> jax.Array:
   """``sqrt(high**2 + low**2)`` for ``high >= low >= 0``, neither squared."""
   ratio = low / jnp.where(high > 0, high, 1)
   return high * jnp.sqrt(1 + ratio * ratio)
+
+
+def _blue_bands(x: jax.Array, acc) -> Banded:
+  """Per entry, its square and which accumulator it goes to (of a complex
+  entry, of each part): the three sums as one reduction (``Banded``),
+  which XLA:GPU fuses with a concatenation of small leaves."""
+  blue = _Blue.of(acc)
+  info = jnp.finfo(acc)
+  parts = []
+  for part in _parts(x, acc):
+    y, small, big = _bands(part, acc, blue.small, blue.big)
+    # Constant factors, each a normal float, and no subnormal path for big
+    # entries: fewer ops per entry (XLA:GPU compiles them once per leaf of
+    # a merged group); the same numbers as ``_scaled``.
+    bits = _exact.magnitude_bits(y)
+    up = jnp.where(bits < (1 << info.nmant),
+                   bits.astype(acc) * 2.0 ** (blue.small_scale + info.minexp - info.nmant),
+                   jnp.abs(y) * 2.0 ** blue.small_scale)
+    t = jnp.where(small, up, jnp.where(big, y * 2.0 ** blue.big_scale, y))
+    parts.append((t * t, jnp.where(small, 0, jnp.where(big, 2, 1))))
+  if len(parts) == 1:
+    return Banded(parts[0][0], parts[0][1], 3)
+  values, bands = zip(*parts)  # a complex entry: its parts side by side
+  return Banded(jnp.stack(values, -1), jnp.stack(bands, -1), 3)
 
 
 def _blue_norms(sums: tuple[jax.Array, ...], divisor) -> jax.Array:
@@ -278,8 +302,14 @@ def norms_one_pass(grouped: Grouped, p: Any, acc, reduction: Reduction, *,
   of them), reading each entry once (see the module docstring)."""
   divisor = jnp.ones([], acc) if divisor is None else divisor
   if is_order(p, 2):
-    sums = reduce_many(grouped, lambda x, _: _blue_sums(x, acc), reduction,
-                       total=total)
+    banded = grouped.layout.banded if grouped.layout else 0
+
+    def blue(x, group):
+      # A merged group, or a leaf up to the platform's size: one reduction.
+      if total and (group.units is None or x.size <= banded):
+        return _blue_bands(x, acc)
+      return _blue_sums(x, acc)
+    sums = reduce_many(grouped, blue, reduction, total=total)
     return _blue_norms(sums, divisor)
   complex_leaves = any(jnp.iscomplexobj(group.values) for group in grouped.groups)
   on_a_mesh = any(layout_spec(group.values) is not None for group in grouped.groups)
