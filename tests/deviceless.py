@@ -112,18 +112,22 @@ def mesh(target: str, axes: tuple[str, ...] = ("x",)) -> jax.sharding.Mesh:
 
 def specs(tree: Any, target: str, partition: Any = None) -> Any:
   """Shape/dtype structs of `tree` (arrays, structs or (shape, dtype) pairs)
-  placed on `target`: replicated, or split as `partition` (a tree prefix of
-  PartitionSpecs, as ``shard_map``'s ``in_specs``) says, over
+  on `target`'s first device, as a one-device user's arrays are (no mesh:
+  the library picks its single-device layouts); or split as `partition` (a
+  tree prefix of PartitionSpecs, as ``shard_map``'s ``in_specs``) says, over
   `mesh(target, axes)` with the axes `partition` names."""
-  on = mesh(target, _axes(partition) or ("x",))
   if partition is None:
-    partition = jax.tree.map(lambda _: PartitionSpec(), tree, is_leaf=_is_pair)
+    one = jax.sharding.SingleDeviceSharding(devices(target)[0])
+    return jax.tree.map(lambda x: _struct(x, one), tree, is_leaf=_is_pair)
+  on = mesh(target, _axes(partition))
   return jax.tree.map(
-      lambda part, sub: jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(*(x if _is_pair(x) else (x.shape, x.dtype)),
-                                         sharding=NamedSharding(on, part)),
-          sub, is_leaf=_is_pair),
+      lambda part, sub: jax.tree.map(lambda x: _struct(x, NamedSharding(on, part)), sub,
+                                     is_leaf=_is_pair),
       partition, tree, is_leaf=lambda p: isinstance(p, PartitionSpec))
+
+
+def _struct(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(*(x if _is_pair(x) else (x.shape, x.dtype)), sharding=sharding)
 
 
 def _is_pair(x: Any) -> bool:
