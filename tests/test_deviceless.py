@@ -234,8 +234,7 @@ def test_global_norm_reads_each_leaf_once(name, target):
 # The clip and the guards inside AdamW's step: one more read at most
 
 @pytest.mark.parametrize("name, target", _cases(
-    STEPS, ("clip", "clip(leaf_norms, layer_axis, expert_axis)", "clip(groups)",
-            "adaptive_grad_clip", "skip_step(clip, zscore, window)",
+    STEPS, ("clip", "clip(groups)", "adaptive_grad_clip",
             "dynamic_loss_scale(clip, every_k_steps)"), ("clip",), KNOWN_STEPS))
 def test_step_adds_at_most_one_read_to_adamw(name, target):
   ours, adamw = step_program(name, target), step_program("adamw", target)
