@@ -215,6 +215,28 @@ def test_the_deviceless_helper_still_answers(target):
   assert program.conditionals == 0 and program.all_reduces == 0, dl.UPDATE
 
 
+@pytest.mark.parametrize("ci", ["true", ""])
+def test_missing_packages_skip_with_a_hint_but_fail_in_ci(monkeypatch, ci):
+  monkeypatch.setitem(dl.PACKAGES, "cuda", ("optaxclip_no_such_package",))
+  monkeypatch.setenv("CI", ci)
+  outcome = pytest.fail.Exception if ci else pytest.skip.Exception
+  with pytest.raises(outcome, match="optaxclip_no_such_package: install them with"):
+    dl.require("cuda")
+  assert "pip install -r" in dl.missing("cuda") and "make install-test" in dl.missing("cuda")
+
+
+def test_requirements_follow_the_installed_jaxlib():
+  import importlib.metadata
+  jaxlib = importlib.metadata.version("jaxlib")
+  wanted = dl.requirements()
+  assert f'jax-cuda12-plugin=={jaxlib}; sys_platform == "linux"' in wanted
+  assert f'jax-cuda12-pjrt=={jaxlib}; sys_platform == "linux"' in wanted
+  assert not any("cuda12]" in r or "with-cuda" in r for r in wanted)  # compile-only
+  [tpu] = [r for r in wanted if r.startswith("libtpu")]
+  pinned = [r for r in importlib.metadata.requires("jax") if r.startswith("libtpu")]
+  assert tpu.split(";")[0] in pinned[0], (tpu, pinned)
+
+
 # --------------------------------------------------------------------------
 # Global norm: one read of each leaf, optax's bytes
 
