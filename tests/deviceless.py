@@ -166,12 +166,13 @@ class Program:
   seconds: float
 
 
-def compile(fn: Callable[..., Any], args: tuple[Any, ...], watched: int = 0) -> Program:
-  """`jax.jit(fn)` compiled for the devices `args` are placed on (`specs`),
-  read; `watched` is the index of the argument whose leaves are counted (the
-  gradients)."""
+def compile(fn: Callable[..., Any], args: tuple[Any, ...], watched: int = 0,
+            donate: tuple[int, ...] = ()) -> Program:
+  """`jax.jit(fn, donate_argnums=donate)` compiled for the devices `args` are
+  placed on (`specs`), read; `watched` is the index of the argument whose
+  leaves are counted (the gradients)."""
   start = time.perf_counter()
-  compiled = jax.jit(fn).lower(*args).compile()
+  compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
   seconds = time.perf_counter() - start
   text = compiled.as_text()
   entry = _entry(text)
