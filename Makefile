@@ -10,8 +10,13 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
+# The deviceless H100 and TPU compiles of tests/test_deviceless.py need the
+# CUDA plugin, ptxas and libtpu at the versions the installed jaxlib takes
+# (compile-only: no CUDA runtime libraries); tests/deviceless.py lists them.
 install-test: $(PY)
 	$(PY) -m pip install --quiet -e ".[test,docs]"
+	$(PY) tests/deviceless.py > $(VENV)/deviceless-requirements.txt
+	$(PY) -m pip install --quiet -r $(VENV)/deviceless-requirements.txt
 
 install-docs: $(PY)
 	$(PY) -m pip install --quiet -e ".[docs]"

@@ -33,6 +33,11 @@ class Config:
   half_shapes: tuple[tuple[int, ...], ...]  # the bf16/fp16 tree
   large_tree: dict[str, int]  # `_trees.transformer_shapes` arguments of `large_*`
   bandwidth_bytes: int  # the bandwidth probes' float32 vector
+  accelerator_targets: tuple[str, ...]  # of `accelerators.PLATFORMS`
+  accelerator_llm: dict[str, int]  # `accelerators.llm_tree` arguments
+  accelerator_small_leaves: int  # `accelerators.small_tree`'s leaves
+  accelerator_lora_layers: int  # `accelerators.lora_tree`'s layers (14 leaves each)
+  accelerator_steps: tuple[str, ...] | None  # of `accelerators`' steps (the clip always); None: all
 
 
 FULL = Config(
@@ -49,7 +54,11 @@ FULL = Config(
     many_leaves=2000, many_leaves_runs=5, accuracy_size=10**8,
     half_shapes=((1024, 1024),) * 4,
     large_tree=dict(vocab=32000, d_model=512, layers=12, seq_len=1024),
-    bandwidth_bytes=1 << 28)
+    bandwidth_bytes=1 << 28,
+    # the 0.74B-parameter tree of issue 34, 2000 small leaves, LoRA on 48 layers
+    accelerator_targets=("h100", "tpu_v5e"),
+    accelerator_llm=dict(vocab=32000, d=2048, layers=12, f=8192, heads=16, experts=8),
+    accelerator_small_leaves=2000, accelerator_lora_layers=48, accelerator_steps=None)
 QUICK = dataclasses.replace(
     FULL, mode="quick", repeats=5, train_step_repeats=7, standalone_repeats=7,
     compile_repeats=1, step_compile_repeats=1, compile_leaves=(50, 100),
@@ -80,7 +89,11 @@ SMOKE = dataclasses.replace(
                    "clip_by_norm(layer_axis)", "adaptive_grad_clip(layer_axis)"),
     many_leaves=16, many_leaves_runs=1, accuracy_size=10**4,
     half_shapes=((64, 64),) * 2,
-    large_tree=dict(vocab=1100, d_model=32, layers=1, seq_len=32), bandwidth_bytes=1 << 20)
+    large_tree=dict(vocab=1100, d_model=32, layers=1, seq_len=32), bandwidth_bytes=1 << 20,
+    # the H100 only (a TPU's programs go through the same code), the clip only
+    accelerator_targets=("h100",),
+    accelerator_llm=dict(vocab=1024, d=256, layers=2, f=1024, heads=4, experts=4),
+    accelerator_small_leaves=5, accelerator_lora_layers=1, accelerator_steps=())
 
 # The GPT-style tree of 1.31B parameters (292 leaves, 5.24 GB in float32): a
 # GPU's only (a CPU run keeps the transformer tree).

@@ -7,6 +7,10 @@ against optax and PyTorch.
     python benchmarks/run.py --only compile,traffic --out /tmp/bench
     python benchmarks/run.py --platform gpu   # JAX's GPU backend: the GPU targets
 
+On a GPU, with `$OUT` set (a lent device's folder that comes back, at most
+8 files), the whole output folder is also written to one archive there,
+`$OUT/benchmarks-gpu.tar.gz`.
+
 Writes `README.md` (each target's numbers beside its threshold), `results.json`
 and PNG plots to `benchmarks/results/` (or `--out`). What each target
 measures, and how: `benchmarks/README.md`.
@@ -15,7 +19,9 @@ measures, and how: `benchmarks/README.md`.
 import argparse
 import dataclasses
 import json
+import os
 import sys
+import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,6 +108,18 @@ def main(argv: list[str] | None = None) -> None:
   (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
   print(f"wrote {args.out / 'README.md'}, results.json and {', '.join(plots) or 'no plots'} "
         f"in {total.seconds:.1f} s")
+  if args.platform == "gpu" and os.environ.get("OUT"):
+    print(f"wrote {archive(args.out, Path(os.environ['OUT']))}")
+
+
+def archive(out: Path, into: Path) -> Path:
+  """Everything in `out` as one archive in `into`: a lent device returns few
+  files a command."""
+  into.mkdir(parents=True, exist_ok=True)
+  path = into / "benchmarks-gpu.tar.gz"
+  with tarfile.open(path, "w:gz") as tar:
+    tar.add(out, arcname=out.name)
+  return path
 
 
 if __name__ == "__main__":

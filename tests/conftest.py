@@ -1,4 +1,4 @@
-"""Test set-up: 8 host CPU devices, set before JAX starts."""
+"""Test set-up: 8 host CPU devices and the CPU backend only, set before JAX starts."""
 
 import os
 import shutil
@@ -7,6 +7,10 @@ import tempfile
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# The CPU backend only: the tests run on host devices, and the deviceless
+# GPU/TPU compiles (tests/deviceless.py) need the CUDA plugin registered
+# compile-only, which it is only when JAX does not try to start it.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the run: the same program compiled
 # again, in another test, an xdist worker or a subprocess (examples, the
 # benchmark's smoke run), is read back instead (set by the first process;

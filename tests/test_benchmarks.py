@@ -8,8 +8,10 @@ to compute what they stand for."""
 import os
 import re
 import sys
+import tarfile
 from pathlib import Path
 
+import deviceless
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,7 +32,7 @@ from benchmarks.targets._base import process_environment, select_platform  # noq
 RUN = ROOT / "benchmarks" / "run.py"
 TARGETS = ("compile_step", "compile", "traffic", "guards", "scanned", "experts", "train_step",
            "standalone", "many_leaves", "large_tree", "large_step", "accuracy", "fallback",
-           "qk_clip")
+           "qk_clip", "accelerators")
 
 
 def _section(markdown: str, key: str) -> str:
@@ -95,6 +97,15 @@ def test_smoke_run_writes_every_table_and_plot(tmp_path):
   qk_clip = _section(markdown, "qk_clip")
   for row in ("| chain(adamw, qk_clip) |", "| adamw + hand-written rescale |"):
     assert row in qk_clip, row
+  accelerators = _section(markdown, "accelerators")
+  missing = [m for m in (deviceless.missing("cuda"), deviceless.missing("tpu")) if m]
+  for reason in missing:  # (test_deviceless.py skips, or fails in CI)
+    assert f"not measured: {reason}" in accelerators
+  if not missing:
+    for caption in ("H100, llm (12 leaves)", "H100, small (5 leaves)", "H100, lora (14 leaves)"):
+      assert caption in accelerators, caption
+    for row in ("| global norm | ", "| adamw alone | ", "| clip + adamw | "):
+      assert row in accelerators, row
   for key, what in (("compile_step", "extra step compile time"),
                     ("compile", "extra compile time")):
     assert "Against the minimal norm" in _section(markdown, key), key
@@ -104,6 +115,21 @@ def test_smoke_run_writes_every_table_and_plot(tmp_path):
     assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
     assert f"]({png})" in markdown
   assert (tmp_path / "results.json").stat().st_size > 0
+
+
+def test_a_gpu_run_packs_its_output_in_one_archive(tmp_path):
+  # A lent GPU returns at most 8 files a command: `--platform gpu` with $OUT
+  # set writes the whole output folder as one archive there.
+  from benchmarks.run import archive
+  out = tmp_path / "results"
+  (out / "plots").mkdir(parents=True)
+  for name in ("README.md", "results.json", "plots/a.png"):
+    (out / name).write_text(name)
+  path = archive(out, tmp_path / "OUT")
+  assert list((tmp_path / "OUT").iterdir()) == [path]
+  with tarfile.open(path) as tar:
+    assert sorted(tar.getnames()) == ["results", "results/README.md", "results/plots",
+                                      "results/plots/a.png", "results/results.json"]
 
 
 def test_unknown_target_is_rejected(tmp_path):

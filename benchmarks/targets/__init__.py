@@ -1,6 +1,7 @@
 """Every target, in the order of the report."""
 
 from benchmarks.targets import (
+  accelerators,
   accuracy,
   compile_time,
   experts,
@@ -32,4 +33,5 @@ TARGETS: dict[str, Target] = {t.key: t for t in (
     accuracy.TARGET,
     fallback.TARGET,
     qk_clip.TARGET,
+    accelerators.TARGET,
 )}

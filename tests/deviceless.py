@@ -1,0 +1,266 @@
+"""Programs compiled for an NVIDIA H100 and for TPUs on this CPU-only machine.
+
+JAX runs XLA:GPU's and XLA:TPU's whole optimizing compiler without a device
+(deviceless ahead-of-time compilation): ``compiled.as_text()`` is the
+program the accelerator would run, after fusion. This module is the one
+place that touches the private or unstable APIs this needs (the topology
+calls, the generic cost analysis, the text of the optimized HLO); when jax
+changes, ``test_deviceless.py::test_the_deviceless_helper_still_answers``
+says which of them to update here.
+
+Needs ``JAX_PLATFORMS=cpu`` before JAX starts (tests/conftest.py sets it):
+otherwise the CUDA plugin fails ``cuInit`` and is never registered. Packages
+(compile-only; versions tied to jaxlib's; ``make install-test`` installs
+them): ``jax-cuda12-plugin``, ``jax-cuda12-pjrt``, ``nvidia-cuda-nvcc-cu12``
+and ``libtpu`` (the version ``jax[tpu]`` pins).
+"""
+
+import dataclasses
+import functools
+import importlib.metadata
+import importlib.util
+import os
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+INSTALL = ("install them with `make install-test`, or `python tests/deviceless.py > req.txt "
+           "&& pip install -r req.txt` (the versions this jaxlib takes)")
+UPDATE = ("update tests/deviceless.py for this jax (the topology calls, "
+          "jax._src.lib._jax.hlo_module_cost_analysis, the optimized HLO's text: "
+          "gpu/DEVICELESS.md has what each does)")
+
+# XLA's GPU target config of an H100 SXM (openxla/xla,
+# xla/tools/hlo_opt/gpu_specs/h100_sxm.txtpb), as the topology call takes it.
+H100 = """gpu_device_info { threads_per_block_limit: 1024 threads_per_warp: 32
+  shared_memory_per_block: 49152 shared_memory_per_core: 233472 threads_per_core_limit: 2048
+  core_count: 132 fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
+  block_dim_limit_z: 65535 memory_bandwidth: 3352320000000 l2_cache_size: 52428800
+  clock_rate_ghz: 1.98 device_memory_size: 84978434048 shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536
+  registers_per_block_limit: 65536 }
+platform_name: "CUDA" dnn_version_info { major: 9 minor: 8 } runtime_version { major: 12 minor: 9 }
+device_description_str: "NVIDIA H100 80GB HBM3" """
+
+# Target name -> (platform, topology name, chips per host); one chip each,
+# and the 8-chip TPU topology of the shard_map tests.
+TARGETS = {"h100": ("cuda", "1x1x1", None), "tpu_v5e": ("tpu", "v5e:1x1", (1, 1, 1)),
+           "tpu_v6e": ("tpu", "v6e:1x1", (1, 1, 1)),
+           "tpu_v5e_8": ("tpu", "v5e:2x4", (2, 4, 1))}
+PACKAGES = {"cuda": ("jax_cuda12_plugin", "nvidia.cuda_nvcc"), "tpu": ("libtpu",)}
+
+# Ops that only move or view an input on its way to the op that reads it: TPU
+# prefetch copies (HBM to VMEM), async slices, views, tuple plumbing.
+_VIEWS = ("copy-start", "copy-done", "slice-start", "slice-done", "bitcast",
+          "get-tuple-element")
+_OP = re.compile(r"\s([\w-]+)\(")
+
+
+def missing(platform: str) -> str | None:
+  """Why compiling for `platform` ("cuda", "tpu") cannot work here, or None."""
+  absent = [name for name in PACKAGES[platform] if importlib.util.find_spec(name) is None]
+  if absent:
+    return f"deviceless {platform} compiles need {', '.join(absent)}: {INSTALL}"
+  if jax.config.jax_platforms != "cpu":
+    return "deviceless compiles need JAX_PLATFORMS=cpu set before JAX starts"
+  return None
+
+
+def require(platform: str) -> None:
+  """Skips the test when `platform`'s packages are missing, with how to install
+  them; in CI (``CI=true``) fails instead: there they must be installed."""
+  import pytest  # here: the benchmark (benchmarks/targets/accelerators.py) runs without it
+  reason = missing(platform)
+  if reason is None:
+    return
+  if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+    pytest.fail(f"CI=true and {reason}")
+  pytest.skip(reason)
+
+
+@functools.cache
+def devices(target: str) -> tuple[Any, ...]:
+  """The devices of `target`'s topology (no device needed)."""
+  from jax.experimental import topologies
+  platform, name, per_host = TARGETS[target]
+  require(platform)
+  if platform == "cuda":
+    topology = topologies.get_topology_desc(platform="cuda", target_config=H100,
+                                            topology=name)
+  else:
+    # libtpu takes a lock file (/tmp/libtpu_lockfile) for the one process that
+    # may drive the chips: none here, and pytest-xdist's workers load it each.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    topology = topologies.get_topology_desc(topology_name=name, platform="tpu",
+                                            chips_per_host_bounds=per_host)
+  return tuple(topology.devices)
+
+
+def mesh(target: str, axes: tuple[str, ...] = ("x",)) -> jax.sharding.Mesh:
+  """A mesh over all of `target`'s devices, on one axis (or `axes`, the
+  first taking every device)."""
+  found = devices(target)
+  shape = (len(found),) + (1,) * (len(axes) - 1)
+  return jax.sharding.Mesh(np.array(found).reshape(shape), axes)
+
+
+def specs(tree: Any, target: str, partition: Any = None) -> Any:
+  """Shape/dtype structs of `tree` (arrays, structs or (shape, dtype) pairs)
+  on `target`'s first device, as a one-device user's arrays are (no mesh:
+  the library picks its single-device layouts); or split as `partition` (a
+  tree prefix of PartitionSpecs, as ``shard_map``'s ``in_specs``) says, over
+  `mesh(target, axes)` with the axes `partition` names."""
+  if partition is None:
+    one = jax.sharding.SingleDeviceSharding(devices(target)[0])
+    return jax.tree.map(lambda x: _struct(x, one), tree, is_leaf=_is_pair)
+  on = mesh(target, _axes(partition))
+  return jax.tree.map(
+      lambda part, sub: jax.tree.map(lambda x: _struct(x, NamedSharding(on, part)), sub,
+                                     is_leaf=_is_pair),
+      partition, tree, is_leaf=lambda p: isinstance(p, PartitionSpec))
+
+
+def _struct(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(*(x if _is_pair(x) else (x.shape, x.dtype)), sharding=sharding)
+
+
+def _is_pair(x: Any) -> bool:
+  """A (shape, dtype) pair (states are tuples too: named ones, of states)."""
+  return (type(x) is tuple and len(x) == 2 and type(x[0]) is tuple
+          and all(isinstance(n, int) for n in x[0]))
+
+
+def _axes(partition: Any) -> tuple[str, ...]:
+  """The mesh axes `partition` names, in order of first use."""
+  names = [a for p in jax.tree.leaves(partition, is_leaf=lambda p: isinstance(p, PartitionSpec))
+           for a in p if a is not None]
+  return tuple(dict.fromkeys(names))
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """What the optimized program does, read from its text and cost analysis.
+
+  Attributes:
+    fusions: kernels in the entry computation (``fusion`` instructions).
+    conditionals: ``conditional`` instructions anywhere in the module.
+    all_reduces: all-reduces anywhere in the module (sync, or async starts).
+    readers: per leaf of the watched argument, the instructions that read it
+      (through prefetch copies, slices, views and tuple plumbing).
+    passes: XLA's generic cost analysis of bytes accessed over the watched
+      argument's bytes.
+    seconds: the compile's wall time.
+  """
+  text: str
+  fusions: int
+  conditionals: int
+  all_reduces: int
+  readers: tuple[int, ...]
+  passes: float
+  seconds: float
+
+
+def compile(fn: Callable[..., Any], args: tuple[Any, ...], watched: int = 0,
+            donate: tuple[int, ...] = ()) -> Program:
+  """`jax.jit(fn, donate_argnums=donate)` compiled for the devices `args` are
+  placed on (`specs`), read; `watched` is the index of the argument whose
+  leaves are counted (the gradients)."""
+  start = time.perf_counter()
+  compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+  seconds = time.perf_counter() - start
+  text = compiled.as_text()
+  entry = _entry(text)
+  first = sum(len(jax.tree.leaves(a)) for a in args[:watched])
+  count = len(jax.tree.leaves(args[watched]))
+  names = _leaf_values(entry, first, first + count)
+  readers = tuple(len(_readers(entry, name)) for name in names)
+  watched_bytes = sum(x.size * jnp.dtype(x.dtype).itemsize
+                      for x in jax.tree.leaves(args[watched]))
+  return Program(text=text, fusions=sum(1 for line in entry if _op(line) == "fusion"),
+                 conditionals=len(re.findall(r"\sconditional\(", text)),
+                 all_reduces=len(re.findall(r"\sall-reduce(?:-start)?\(", text)),
+                 readers=readers, passes=bytes_accessed(compiled) / watched_bytes,
+                 seconds=seconds)
+
+
+def bytes_accessed(compiled: Any) -> float:
+  """XLA's generic cost analysis of the optimized module (``cost_analysis()``
+  is unimplemented for a deviceless GPU compile)."""
+  from jax._src.lib import _jax  # private: gpu/DEVICELESS.md
+  module = compiled.runtime_executable().hlo_modules()[0]
+  return float(_jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client,
+                                             module)["bytes accessed"])
+
+
+def _entry(text: str) -> list[str]:
+  """The instruction lines of the entry computation."""
+  body = text[text.index("\nENTRY"):]
+  body = body[:body.index("\n}")]
+  return [line.strip().removeprefix("ROOT ") for line in body.splitlines() if " = " in line]
+
+
+def _op(line: str) -> str | None:
+  rhs = line.split(" = ", 1)[1]
+  match = _OP.search(rhs)
+  return match[1] if match else None
+
+
+def _leaf_values(entry: list[str], first: int, stop: int) -> list[str]:
+  """The values that hold flat arguments `first` ... `stop - 1`: parameters,
+  or elements of one tuple parameter (XLA:TPU takes many arguments so)."""
+  params = {}
+  for line in entry:
+    match = re.match(r"(%\S+) = (.+?) parameter\((\d+)\)", line)
+    if match:
+      params[int(match[3])] = (match[2], match[1])
+  if len(params) > 1 or not params[0][0].startswith("("):
+    return [params[i][1] for i in range(first, stop)]
+  tuple_name = params[0][1]
+  element = {}
+  for line in entry:
+    m = re.match(rf"(%\S+) = .*get-tuple-element\({re.escape(tuple_name)}\), index=(\d+)",
+                 line)
+    if m:
+      element[int(m[2])] = m[1]
+  return [element[i] for i in range(first, stop)]
+
+
+def _readers(entry: list[str], name: str) -> set[str]:
+  """The instructions that read `name`, following prefetch copies, slices,
+  views, tuple plumbing and XLA:TPU's ``ConcatBitcast`` to the real reader."""
+  found = set()
+  use = re.compile(re.escape(name) + r"(?![\w.-])")
+  for line in entry:
+    lhs, rhs = line.split(" = ", 1)
+    op = _OP.search(rhs)
+    if op is None or not use.search(rhs[op.start():]):
+      continue
+    if op[1] in _VIEWS or "ConcatBitcast" in rhs:
+      found |= _readers(entry, lhs)
+    elif op[1] != "tuple":
+      found.add(lhs)
+  return found
+
+
+def requirements() -> list[str]:
+  """What compiling for an H100 and a TPU takes, for the installed jaxlib:
+  the CUDA 12 plugin and PJRT at jaxlib's version, ptxas and libdevice
+  (``nvidia-cuda-nvcc-cu12``; not ``jax[cuda12]``'s 5 GB of runtime
+  libraries), and ``libtpu`` as ``jax[tpu]`` pins it. Linux only (elsewhere
+  the tests skip)."""
+  version = importlib.metadata.version("jaxlib")
+  tpu = [r.split(";")[0].strip() for r in importlib.metadata.requires("jax") or []
+         if r.startswith("libtpu") and 'extra == "tpu"' in r]
+  linux = '; sys_platform == "linux"'
+  return [f"jax-cuda12-plugin=={version}{linux}", f"jax-cuda12-pjrt=={version}{linux}",
+          f"nvidia-cuda-nvcc-cu12{linux}", *[f"{r}{linux}" for r in tpu]]
+
+
+if __name__ == "__main__":  # a requirements file: the Makefile's install-test
+  print("\n".join(requirements()))

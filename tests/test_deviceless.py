@@ -1,0 +1,394 @@
+"""The programs an H100 and TPUs run, compiled here on the CPU (deviceless).
+
+XLA:GPU's and XLA:TPU's optimizing compilers run on this machine
+(tests/deviceless.py); the optimized program is read after fusion, next to
+optax's program for the same tree, compiled in the same test: kernels
+(fusions), the fusions that read each gradient, bytes accessed (XLA's cost
+analysis over the gradients' bytes: passes), conditionals and all-reduces.
+What the numbers are today: docs/design.md, Platforms.
+"""
+
+import functools
+import math
+
+import deviceless as dl
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import optaxclip as oc
+
+F = oc.functional
+TARGETS = ("h100", "tpu_v5e", "tpu_v6e")
+PLATFORM = {"h100": "cuda", "tpu_v5e": "tpu", "tpu_v6e": "tpu", "tpu_v5e_8": "tpu"}
+INF = float("inf")
+NORMS = {"float32, ord 2": (jnp.float32, 2.0), "float32, ord 1": (jnp.float32, 1.0),
+         "float32, ord inf": (jnp.float32, INF), "float32, ord 3": (jnp.float32, 3.0),
+         "bfloat16, ord 2": (jnp.bfloat16, 2.0), "bfloat16, ord inf": (jnp.bfloat16, INF)}
+TOLERANCE = 0.01  # "within 1%": of optax's bytes, or of AdamW's + one pass
+
+
+def model(dtype=jnp.float32) -> dict:
+  """A decoder of 2 stacked layers with experts, as (shape, dtype) pairs: 17
+  MiB in float32; its matrices are large leaves for the library (over 2**15
+  entries), its norms and router small ones, and it compiles in seconds."""
+  layers, d, heads, f, experts, vocab = 2, 256, 4, 1024, 4, 4096
+  attn = {name: ((layers, d, heads, d // heads), dtype) for name in ("query", "key", "value")}
+  return {"embed": ((vocab, d), dtype),
+          "layers": {"attn": {**attn, "out": ((layers, d, d), dtype)},
+                     "mlp": {"w1": ((layers, d, f), dtype), "w2": ((layers, f, d), dtype)},
+                     "ln1": ((layers, d), dtype), "ln2": ((layers, d), dtype),
+                     "moe": {"router": ((layers, d, experts), dtype),
+                             "w_in": ((layers, experts, d, d), dtype)}},
+          "head": ((d, vocab), dtype), "ln_f": ((d,), dtype)}
+
+
+LAYER_AXIS = {"embed": None, "layers": 0, "head": None, "ln_f": None}
+EXPERT_AXIS = {"embed": None, "head": None, "ln_f": None,
+               "layers": {"attn": None, "mlp": None, "ln1": None, "ln2": None,
+                          "moe": {"router": None, "w_in": 1}}}
+FROZEN_ROUTER = {"embed": True, "head": True, "ln_f": True,
+                 "layers": {"attn": True, "mlp": True, "ln1": True, "ln2": True,
+                            "moe": {"router": False, "w_in": True}}}
+NOT_MATRICES = {"embed": True, "head": True, "ln_f": True, "layers": False}  # Muon's own
+GROUPS = {"embed": "embed", "head": "head", "ln_f": "body", "layers": "body"}
+HEADS = oc.AttentionHeads(query="layers/attn/query", key="layers/attn/key", layer_axis=0)
+
+
+def _adamw():
+  return optax.adamw(1e-3)
+
+
+def _clipped(**kw):
+  return optax.chain(oc.clip_by_global_norm(1.0, **kw), _adamw())
+
+
+# Each a builder of the transform whose whole step is compiled (the update
+# and optax.apply_updates), beside AdamW's step alone.
+STEPS = {
+    "clip": _clipped,
+    "clip(leaf_norms, layer_axis)": lambda: _clipped(leaf_norms=True, layer_axis=LAYER_AXIS),
+    "clip(leaf_norms, layer_axis, expert_axis)":
+        lambda: _clipped(leaf_norms=True, layer_axis=LAYER_AXIS, expert_axis=EXPERT_AXIS),
+    "clip(mask)": lambda: _clipped(mask=FROZEN_ROUTER),
+    "clip(scale_only)": lambda: _clipped(scale_only=NOT_MATRICES),
+    "clip(groups)": lambda: _clipped(groups=GROUPS),
+    "adaptive_grad_clip": lambda: optax.chain(oc.adaptive_grad_clip(0.01), _adamw()),
+    "clip_by_block_rms": lambda: optax.chain(oc.clip_by_block_rms(0.01), _adamw()),
+    "zclip": lambda: optax.chain(oc.zclip(), _adamw()),
+    "adagc": lambda: optax.chain(oc.adagc(), _adamw()),
+    "adamw, then qk_clip": lambda: optax.chain(_adamw(), oc.qk_clip(100.0, heads=HEADS)),
+    "skip_step(clip, zscore)": lambda: oc.skip_step(_clipped(), zscore=6.0),
+    "skip_step(clip, zscore, window)": lambda: oc.skip_step(_clipped(), zscore=6.0, window=16),
+    "dynamic_loss_scale(clip)": lambda: oc.dynamic_loss_scale(_clipped()),
+    "dynamic_loss_scale(clip, every_k_steps)":
+        lambda: oc.dynamic_loss_scale(_clipped(), every_k_steps=4),
+}
+EXTRA_ARGS = {"adamw, then qk_clip": {"max_logits": ((2, 4), jnp.float32)}}
+
+
+def _step_program(tx: optax.GradientTransformation, target: str, grads: dict,
+                  extra: dict | None = None) -> dl.Program:
+  """The compiled step: `tx`'s update with `extra` keyword arguments, and
+  optax.apply_updates; gradients and parameters shaped as `grads`."""
+  g = dl.specs(grads, target)
+  state = dl.specs(jax.eval_shape(tx.init, g), target)
+  names = sorted(extra or {})
+
+  def step(grads, state, params, *values):
+    updates, state = tx.update(grads, state, params, **dict(zip(names, values)))
+    return optax.apply_updates(params, updates), state
+
+  return dl.compile(step, (g, state, g, *[dl.specs(extra[n], target) for n in names]))
+
+
+@functools.cache
+def step_program(name: str, target: str) -> dl.Program:
+  if name == "adamw":
+    return _step_program(_adamw(), target, model())
+  if name == "optax clip":
+    return _step_program(optax.chain(optax.clip_by_global_norm(1.0), _adamw()), target,
+                         model())
+  return _step_program(STEPS[name](), target, model(), EXTRA_ARGS.get(name))
+
+
+def _floor_norm(ord):
+  """The one-read norm of order `ord` a user writes: one reduction per leaf."""
+  def norm(tree):
+    leaves = [jnp.abs(x.astype(jnp.float32)) for x in jax.tree.leaves(tree)]
+    if ord == INF:
+      return jnp.max(jnp.stack([jnp.max(x) for x in leaves]))
+    return sum(jnp.sum(x ** ord) for x in leaves) ** (1 / ord)
+  return norm
+
+
+@functools.cache
+def norm_programs(target: str, name: str) -> tuple[dl.Program, dl.Program]:
+  """optaxclip's global norm of `model()` and its reference: optax's for
+  ord 2, the one-read floor otherwise."""
+  dtype, ord = NORMS[name]
+  grads = dl.specs(model(dtype), target)
+  reference = optax.tree.norm if ord == 2 else _floor_norm(ord)
+  return (dl.compile(lambda g: F.global_norm(g, ord), (grads,)),
+          dl.compile(reference, (grads,)))
+
+
+def one_read(target: str) -> float:
+  """One read of `model()` in passes: 1.0, or optax's norm where XLA:TPU's
+  prefetch copies (HBM to VMEM) count in the bytes accessed too (3.6 on a
+  v5e for this tree; ~1.0 for leaves too large to prefetch)."""
+  return max(1.0, norm_programs(target, "float32, ord 2")[1].passes)
+
+
+def _show(what: str, target: str, ours: dl.Program, theirs: dl.Program) -> str:
+  return (f"{what} on {target}: optaxclip {ours.fusions} fusions / {ours.passes:.4f} passes "
+          f"/ readers {max(ours.readers)} ({ours.seconds:.2f} s), reference "
+          f"{theirs.fusions} / {theirs.passes:.4f} ({theirs.seconds:.2f} s)")
+
+
+def _cases(names, tpu_v5e: tuple[str, ...], tpu_v6e: tuple[str, ...],
+           known: dict[tuple[str, str], str]) -> list:
+  """(name, target): every name on the H100 (XLA:GPU, whose fusion choices
+  differ most from the CPU's), those of `tpu_v5e` and `tpu_v6e` on the TPUs
+  (a TPU compile takes seconds); strict xfail where `known` says the current
+  code misses (measured, issue 34)."""
+  targets = {"h100": tuple(names), "tpu_v5e": tpu_v5e, "tpu_v6e": tpu_v6e}
+  return [pytest.param(name, target, id=f"{name}-{target}", marks=[
+              pytest.mark.xfail(strict=True, reason=known[name, target])]
+              if (name, target) in known else [])
+          for name in names for target in TARGETS if name in targets[target]]
+
+
+# What the current code misses (measured 2026-11-27 on 4188682; issue 34).
+# On the H100: XLA:GPU computes the one-pass kernel of each 2**17-entry
+# leaf (the attention matrices) as a multi-output fusion that writes the
+# masked terms to memory and reduces them again (+0.5 pass), and the small
+# leaves (norms, router) are read by 2-3 fusions each (two concatenations
+# and a reduction: issue 34 item 2).
+GPU = "XLA:GPU writes the 2**17-entry leaves' terms to memory and reads the small leaves " \
+      "2-3 times: "
+KNOWN_NORMS = {
+    ("float32, ord 2", "h100"): GPU + "1.511 passes vs optax's 1.002, 3 readers",
+    ("float32, ord 1", "h100"): GPU + "1.257 passes vs the floor's 1.002, 2 readers",
+    ("float32, ord 3", "h100"): GPU + "2.257 passes vs the floor's 1.002, 2 readers",
+    ("bfloat16, ord 2", "h100"): GPU + "2.020 passes vs optax's 1.004, 3 readers",
+}
+STEP_LIMITS = "AdamW alone 7.000 + one read 1.002, limit 8.082"
+KNOWN_STEPS = {
+    **{(name, "h100"): f"{GPU}{measured} ({STEP_LIMITS})" for name, measured in (
+        ("clip", "8.511 passes, 4 readers"), ("clip(mask)", "8.506 passes"),
+        ("clip(scale_only)", "4 readers (8.011 passes)"), ("clip(groups)", "8.506 passes"),
+        ("clip_by_block_rms", "8.506 passes"), ("zclip", "8.511 passes, 4 readers"),
+        ("adagc", "8.506 passes"), ("skip_step(clip, zscore)", "8.511 passes, 4 readers"),
+        ("skip_step(clip, zscore, window)", "8.511 passes, 4 readers"),
+        ("dynamic_loss_scale(clip)", "8.511 passes, 4 readers"))},
+    ("adaptive_grad_clip", "h100"): "AGC reads the gradients and the parameters apart "
+                                    f"(20.045 passes, 3 readers; {STEP_LIMITS})",
+    ("adaptive_grad_clip", "tpu_v5e"): "AGC reads the gradients and the parameters apart "
+                                       "(36.519 passes; AdamW alone 18.991 + one read 3.626, "
+                                       "limit 22.843)",
+    ("dynamic_loss_scale(clip, every_k_steps)", "h100"):
+        f"the window's check re-reads the gradients (14.276 passes, 8 readers; {STEP_LIMITS})",
+    ("dynamic_loss_scale(clip, every_k_steps)", "tpu_v5e"):
+        "the window's check re-reads the gradients (29.137 passes; AdamW alone 18.991 + one "
+        "read 3.626, limit 22.843)",
+}
+
+
+# --------------------------------------------------------------------------
+# The helper: private APIs still answer
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_deviceless_helper_still_answers(target):
+  dl.require(PLATFORM[target])
+  grads = dl.specs({"w": ((512, 256), jnp.float32), "b": ((256,), jnp.float32)}, target)
+  try:
+    program = dl.compile(lambda g: jax.tree.map(lambda x: x * 2.0, g), (grads,))
+  except Exception as error:  # noqa: BLE001  (any change of jax's private APIs)
+    pytest.fail(f"the deviceless compile for {target} failed ({type(error).__name__}: "
+                f"{error}): {dl.UPDATE}")
+  # One elementwise kernel per leaf (or one for both), each leaf read once;
+  # read and written once: 2.0 passes (a TPU prefetches the small leaf too).
+  assert 1 <= program.fusions <= 2 and program.readers == (1, 1), dl.UPDATE
+  assert 2.0 <= program.passes <= 2.1, dl.UPDATE
+  assert program.conditionals == 0 and program.all_reduces == 0, dl.UPDATE
+
+
+@pytest.mark.parametrize("ci", ["true", ""])
+def test_missing_packages_skip_with_a_hint_but_fail_in_ci(monkeypatch, ci):
+  monkeypatch.setitem(dl.PACKAGES, "cuda", ("optaxclip_no_such_package",))
+  monkeypatch.setenv("CI", ci)
+  outcome = pytest.fail.Exception if ci else pytest.skip.Exception
+  with pytest.raises(outcome, match="optaxclip_no_such_package: install them with"):
+    dl.require("cuda")
+  assert "pip install -r" in dl.missing("cuda") and "make install-test" in dl.missing("cuda")
+
+
+def test_requirements_follow_the_installed_jaxlib():
+  import importlib.metadata
+  jaxlib = importlib.metadata.version("jaxlib")
+  wanted = dl.requirements()
+  assert f'jax-cuda12-plugin=={jaxlib}; sys_platform == "linux"' in wanted
+  assert f'jax-cuda12-pjrt=={jaxlib}; sys_platform == "linux"' in wanted
+  assert not any("cuda12]" in r or "with-cuda" in r for r in wanted)  # compile-only
+  [tpu] = [r for r in wanted if r.startswith("libtpu")]
+  pinned = [r for r in importlib.metadata.requires("jax") if r.startswith("libtpu")]
+  assert tpu.split(";")[0] in pinned[0], (tpu, pinned)
+
+
+# --------------------------------------------------------------------------
+# Global norm: one read of each leaf, optax's bytes
+
+@pytest.mark.parametrize("name, target", _cases(
+    NORMS, ("float32, ord 2", "float32, ord 1", "float32, ord 3", "bfloat16, ord 2"),
+    ("float32, ord 2",), KNOWN_NORMS))
+def test_global_norm_reads_each_leaf_once(name, target):
+  ours, theirs = norm_programs(target, name)
+  shown = _show(f"global norm ({name})", target, ours, theirs)
+  print(shown)
+  assert ours.conditionals == 0, shown
+  assert set(ours.readers) == {1}, f"readers per leaf {ours.readers}: {shown}"
+  assert ours.passes <= theirs.passes * (1 + TOLERANCE), shown
+
+
+# --------------------------------------------------------------------------
+# The clip and the guards inside AdamW's step: one more read at most
+
+@pytest.mark.parametrize("name, target", _cases(
+    STEPS, ("clip", "clip(groups)", "adaptive_grad_clip",
+            "dynamic_loss_scale(clip, every_k_steps)"), ("clip",), KNOWN_STEPS))
+def test_step_adds_at_most_one_read_to_adamw(name, target):
+  ours, adamw = step_program(name, target), step_program("adamw", target)
+  optax_clip = step_program("optax clip", target) if name == "clip" else adamw
+  limit = (adamw.passes + one_read(target)) * (1 + TOLERANCE)
+  label = name if "adamw" in name else f"{name} + adamw"
+  shown = (f"{label} on {target}: {ours.fusions} fusions / {ours.passes:.4f} passes / "
+           f"readers {max(ours.readers)} ({ours.seconds:.2f} s); adamw alone "
+           f"{adamw.fusions} / {adamw.passes:.4f}; optax clip + adamw {optax_clip.fusions} / "
+           f"{optax_clip.passes:.4f}; limit {limit:.4f}")
+  print(shown)
+  assert ours.conditionals == 0, shown
+  assert max(ours.readers) <= 2, f"readers per leaf {ours.readers}: {shown}"
+  assert ours.passes <= limit, shown
+
+
+# --------------------------------------------------------------------------
+# Sharded: one all-reduce in the whole program (8 TPU v5e chips)
+
+# FSDP-style: every leaf split over the 8 chips along its last axis where it
+# divides (the router's 4 experts do not: replicated).
+FSDP = jax.tree.map(lambda pair: P(*[None] * (len(pair[0]) - 1), "x") if pair[0][-1] % 8 == 0
+                    else P(), model(), is_leaf=lambda x: isinstance(x, tuple))
+
+
+def _experts() -> tuple[dict, dict, optax.GradientTransformation, object]:
+  """docs/experts.md's expert-parallel tree, tree and transform: 8 experts
+  split over the mesh, the router replicated."""
+  d, h, experts = 256, 512, 8
+  tree = {"router": ((d, experts), jnp.float32), "w_in": ((experts, d, h), jnp.float32)}
+  specs = {"router": P(), "w_in": P("expert")}
+  tx = oc.clip_grad_norm(1.0, axis_name="expert", specs=specs, leaf_norms=True,
+                         expert_axis={"router": None, "w_in": 0})
+  state_specs = oc.ClipState(*[P()] * 7, leaf_norms={"router": P(), "w_in": P("expert")},
+                             stack_norms={"router": None, "w_in": P()})
+  return tree, specs, tx, state_specs
+
+
+@pytest.mark.parametrize("case", ["global norm, FSDP", "clip_grad_norm, experts split"])
+def test_sharded_norm_costs_one_all_reduce(case):
+  target = "tpu_v5e_8"
+  if case == "global norm, FSDP":
+    grads, specs = model(), FSDP
+    fn = lambda g: F.global_norm(g, axis_name="x", specs=FSDP)
+    out_specs = P()
+  else:
+    grads, specs, tx, state_specs = _experts()
+    fn = lambda g: tx.update(g, tx.init(g))
+    out_specs = (specs, state_specs)
+  args = (dl.specs(grads, target, specs),)
+  mesh = dl.mesh(target, tuple(dict.fromkeys(
+      a for s in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P)) for a in s if a)))
+  program = dl.compile(jax.shard_map(fn, mesh=mesh, in_specs=(specs,), out_specs=out_specs),
+                       args)
+  shown = (f"{case} on {target}: {program.all_reduces} all-reduces, {program.fusions} fusions, "
+           f"{program.passes:.4f} passes ({program.seconds:.2f} s)")
+  print(shown)
+  assert program.conditionals == 0, shown
+  assert program.all_reduces == 1, shown
+
+
+# --------------------------------------------------------------------------
+# Small leaves: a handful of kernels (issue 34 item 2)
+
+SMALL_SHAPES = ((64,), (256,), (64, 64), (128, 32), (16, 16, 4))
+
+
+def small_leaves(count: int = 150) -> dict:
+  """`count` small float32 leaves (64 to 4096 entries: norms, biases, heads)."""
+  return {f"p{i:04d}": (SMALL_SHAPES[i % len(SMALL_SHAPES)], jnp.float32)
+          for i in range(count)}
+
+
+def lora(layers: int = 10, d: int = 4096, f: int = 11008, rank: int = 16) -> dict:
+  """Rank-16 LoRA adapters on the 4 attention and 3 MLP weights of each layer:
+  14 leaves a layer (A: [in, rank], B: [rank, out])."""
+  weights = {"q": (d, d), "k": (d, d), "v": (d, d), "o": (d, d),
+             "gate": (d, f), "up": (d, f), "down": (f, d)}
+  return {f"l{i:02d}": {w: {"A": ((n_in, rank), jnp.float32), "B": ((rank, n_out), jnp.float32)}
+                        for w, (n_in, n_out) in weights.items()}
+          for i in range(layers)}
+
+
+SMALL_TREES = {"150 small leaves": small_leaves, "LoRA, 10 layers": lora}
+SMALL_TARGETS = ("h100", "tpu_v5e")
+LEAVES_PER_FUSION = 30
+SMALL_PASSES = 1.05
+# Not run until then: today each of these programs takes many seconds to
+# compile (a 2000-leaf step: minutes), past this file's budget.
+ITEM_2 = pytest.mark.xfail(
+    run=False, reason="issue 34 item 2 (small leaves in a handful of kernels, branch "
+                      "h/smallleaves): remove this marker once it is merged")
+
+
+@functools.cache
+def small_programs(tree: str, target: str) -> dict[str, dl.Program]:
+  grads = SMALL_TREES[tree]()
+  g = dl.specs(grads, target)
+  return {"norm": dl.compile(F.global_norm, (g,)),
+          "optax norm": dl.compile(optax.tree.norm, (g,)),
+          "clip + adamw": _step_program(_clipped(), target, grads),
+          "adamw": _step_program(_adamw(), target, grads)}
+
+
+@ITEM_2
+@pytest.mark.parametrize("target", SMALL_TARGETS)
+@pytest.mark.parametrize("tree", SMALL_TREES)
+def test_small_leaves_norm_in_a_handful_of_kernels(tree, target):
+  programs = small_programs(tree, target)
+  ours, theirs = programs["norm"], programs["optax norm"]
+  leaves = len(ours.readers)
+  shown = _show(f"global norm of {tree} ({leaves} leaves)", target, ours, theirs)
+  print(shown)
+  assert ours.conditionals == 0, shown
+  assert ours.fusions <= math.ceil(leaves / LEAVES_PER_FUSION), shown
+  # (a TPU's prefetch copies count in both: one read is optax's norm there)
+  assert ours.passes <= SMALL_PASSES * max(1.0, theirs.passes), shown
+
+
+@ITEM_2
+@pytest.mark.parametrize("target", SMALL_TARGETS)
+@pytest.mark.parametrize("tree", SMALL_TREES)
+def test_small_leaves_clip_adds_a_handful_of_kernels_to_adamw(tree, target):
+  programs = small_programs(tree, target)
+  ours, adamw = programs["clip + adamw"], programs["adamw"]
+  one_read = max(1.0, programs["optax norm"].passes)
+  leaves = len(ours.readers)
+  shown = (f"clip + adamw of {tree} ({leaves} leaves) on {target}: {ours.fusions} fusions / "
+           f"{ours.passes:.4f} passes ({ours.seconds:.2f} s); adamw alone {adamw.fusions} / "
+           f"{adamw.passes:.4f} ({adamw.seconds:.2f} s)")
+  print(shown)
+  assert ours.conditionals == 0, shown
+  assert ours.fusions - adamw.fusions <= math.ceil(leaves / LEAVES_PER_FUSION), shown
+  assert ours.passes - adamw.passes <= SMALL_PASSES * one_read, shown
