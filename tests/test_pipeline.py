@@ -340,7 +340,10 @@ def test_leaf_norms_against_the_whole_tree_and_the_references(ord):
   tx = oc.clip_by_global_norm(1.0, ord=ord, leaf_norms=True,
                               layer_axis=FULL_LAYER, expert_axis=FULL_EXPERT)
   _, whole = tx.update(MODEL, tx.init(MODEL))
-  close, exact = 3 * max(1, 1 / ord), 2 * max(1, 1 / ord)  # ulps
+  # ulps: each within `exact` of the truth (float64 below), so within twice
+  # that of each other (p = 0.5: +3.0 and -3.9 ulps, measured)
+  exact = 2 * max(1, 1 / ord)
+  close = 2 * exact
   assert np.isfinite(got.total)
   assert _ulps(got.total, whole.norm) <= close
   assert _ulps(got.total, F.global_norm(MODEL, ord=ord)) <= close
