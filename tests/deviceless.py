@@ -15,6 +15,7 @@ them): ``jax-cuda12-plugin``, ``jax-cuda12-pjrt``, ``nvidia-cuda-nvcc-cu12``
 and ``libtpu`` (the version ``jax[tpu]`` pins).
 """
 
+import contextlib
 import dataclasses
 import functools
 import importlib.metadata
@@ -170,9 +171,12 @@ def compile(fn: Callable[..., Any], args: tuple[Any, ...], watched: int = 0,
             donate: tuple[int, ...] = ()) -> Program:
   """`jax.jit(fn, donate_argnums=donate)` compiled for the devices `args` are
   placed on (`specs`), read; `watched` is the index of the argument whose
-  leaves are counted (the gradients)."""
+  leaves are counted (the gradients). Traced under a one-device mesh of
+  the target when no argument is on a mesh: how a trace learns its
+  platform (optaxclip picks its norm kernel by it)."""
   start = time.perf_counter()
-  compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+  with _target_mesh(args):
+    compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
   seconds = time.perf_counter() - start
   text = compiled.as_text()
   entry = _entry(text)
@@ -187,6 +191,17 @@ def compile(fn: Callable[..., Any], args: tuple[Any, ...], watched: int = 0,
                  all_reduces=len(re.findall(r"\sall-reduce(?:-start)?\(", text)),
                  readers=readers, passes=bytes_accessed(compiled) / watched_bytes,
                  seconds=seconds)
+
+
+def _target_mesh(args: tuple[Any, ...]) -> Any:
+  """`jax.set_mesh` of the one device the arguments are placed on, or
+  nothing where they are on a mesh already."""
+  sharding = jax.tree.leaves(args)[0].sharding
+  if isinstance(sharding, NamedSharding):
+    return contextlib.nullcontext()
+  [device] = sharding.device_set
+  return jax.set_mesh(jax.sharding.Mesh(np.array([device]), ("device",),
+                                        axis_types=(jax.sharding.AxisType.Auto,)))
 
 
 def bytes_accessed(compiled: Any) -> float:

@@ -235,24 +235,33 @@ def count_ops(fn, tree, op):
 @pytest.mark.parametrize("count", [300, 1200])
 def test_program_grows_by_groups_not_by_leaves(count):
   # Compile time stays flat in the number of leaves because every group of
-  # small leaves of one dtype (up to the kernel's layout's size) is one
+  # small leaves of one dtype (up to the layout's size) is one
   # concatenation and one reduction (the rescue: one more in the rarely
-  # taken overflow branch), not one reduction per leaf. Elementwise ops
-  # still scale with the leaves.
+  # taken overflow branch; the one-pass kernel: one per level of its tree
+  # of blocks, and one more tree for the groups' partials together), not
+  # one reduction per leaf. Elementwise ops still scale with the leaves.
   tree = many_leaf_tree(count)
-  sizes = [sum(x.dtype == dtype for x in tree) for dtype in {x.dtype for x in tree}]
-  batching = oc._core._batching
-  limit = (batching.GPU if ONE_PASS else batching.CPU).size
-  groups = [min(limit, n - start) for n in sizes for start in range(0, n, limit)]
-  assert len(groups) * (10 if ONE_PASS else 40) < count  # many leaves per group
+  layout = oc._core._batching.CPU
+  by_dtype = {}
+  for x in tree:
+    by_dtype.setdefault(x.dtype, []).append(x.size)
+  groups = [sizes[start:start + layout.size] for sizes in by_dtype.values()
+            for start in range(0, len(sizes), layout.size)]
+  assert len(groups) * 40 < count  # many leaves per group
   norm = lambda t: F.global_norm(t)
-  assert count_ops(norm, tree, "concatenate") == sum(g > 1 for g in groups)
-  # The rescue reduces each group twice (once in its branch); the one-pass
-  # kernel once, its three sums side by side (`Banded`).
-  per_group = 1 if ONE_PASS else 2
-  assert count_ops(norm, tree, "reduce") == per_group * len(groups)
+  concatenations = sum(len(g) > 1 for g in groups)
+  if ONE_PASS:
+    def levels(n):  # the reductions of a tree of blocks over n entries
+      return 1 if n <= layout.block else 1 + levels(-(-n // layout.block))
+    # each group's (exponent, sum) tree, then one over the groups' partials
+    reductions = sum(levels(sum(g)) for g in groups) + levels(len(groups))
+    concatenations += 2 * (len(groups) > 1)  # the partials' two columns
+  else:
+    reductions = 2 * len(groups)
+  assert count_ops(norm, tree, "concatenate") == concatenations
+  assert count_ops(norm, tree, "reduce") == reductions
   clip = lambda t: F.clip_by_global_norm(t, 1.0)
-  assert count_ops(clip, tree, "reduce") == per_group * len(groups)
+  assert count_ops(clip, tree, "reduce") == reductions
 
 
 # --------------------------------------------------------------------------

@@ -91,10 +91,27 @@ def two_way_conditionals(lowered) -> list[str]:
 
 @pytest.mark.parametrize("platform", ACCELERATORS)
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
-def test_accelerator_programs_hold_no_conditional(name, platform):
+def test_accelerator_programs_hold_no_conditional(name, platform, monkeypatch):
+  # Traced on this CPU for another platform, a norm takes the kernel
+  # OPTAXCLIP_KERNEL names (the platform is known at trace time only from a
+  # mesh: test_deviceless.py traces under one, docs/design.md).
+  monkeypatch.setenv("OPTAXCLIP_KERNEL", "one_pass")
   fn, args = PROGRAMS[name]
-  lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,))
+  # a function of its own: JAX keeps a function's trace (and its kernel)
+  lowered = jax.jit(lambda *a: fn(*a)).trace(*args).lower(
+      lowering_platforms=(platform,))
   assert two_way_conditionals(lowered) == []
+
+
+def test_a_norm_traces_only_the_kernel_that_runs():
+  # The platform is known while tracing (here the default backend, the
+  # CPU): only the rescue is traced, not the one-pass kernel beside it
+  # (`lax.platform_dependent` would trace both: the CPU's compile time).
+  # (a tree of its own: a norm traced before keeps its kernel)
+  tree = {"a": jnp.ones((5, 7)), "b": jnp.ones((3,))}
+  jaxpr = str(jax.make_jaxpr(F.global_norm)(tree))
+  assert "cond[" in jaxpr and "platform_index" not in jaxpr
+  assert " reduce[" not in jaxpr  # the one-pass kernel's pairs
 
 
 def test_the_cpu_program_keeps_the_rescue():
@@ -114,22 +131,24 @@ def test_the_cpu_window_check_keeps_its_branch():
 def test_the_one_pass_kernel_reduces_each_leaf_once(monkeypatch):
   # p = 2: three sibling sums of one input per large leaf, which XLA:GPU
   # fuses into one read (XLA:CPU reads each: counted here before
-  # optimisation); small leaves concatenated, their three sums one
-  # reduction of a one-hot of their bands (`Banded`); other orders:
-  # variadic reductions in blocks of 16 (an error bound that holds in any
-  # order of addition), one read of the tree everywhere, plus the blocks'
-  # (exponent, sum) pairs: 8 bytes per 16 entries, written once and read
-  # once (cost analysis).
+  # optimisation); small leaves concatenated and reduced as
+  # (exponent, sum) pairs of their bits (`_exponent_sums`), on the CPU in
+  # a tree of blocks of 16 (an error bound that holds in any order of
+  # addition); other orders: variadic reductions in blocks of 16 too. One
+  # read of the tree, plus the blocks' pairs: 8 bytes per 16 entries,
+  # written once and read once (cost analysis).
   monkeypatch.setenv("OPTAXCLIP_KERNEL", "one_pass")
-  large = oc._core._batching.GPU.banded + 1
+  large = 8 * oc._core._batching.CPU.limit + 1  # a large leaf: alone
   tree = {"w": jnp.ones((large,)), "b": jnp.ones((256,)), "c": jnp.ones((16, 16))}
   text = jax.jit(F.global_norm).lower(tree).as_text(dialect="hlo")
   reduces = [line for line in text.splitlines() if " reduce(" in line]
-  assert len(reduces) == 3 + 1
-  assert sum("f32[] reduce(" in line for line in reduces) == 3
-  assert sum("f32[3]{0} reduce(" in line for line in reduces) == 1
-  compiled = jax.jit(lambda t: F.global_norm(t, 3)).lower(tree).compile()
+  assert sum("f32[] reduce(" in line for line in reduces) == 3  # the large leaf
+  # 512 small entries: blocks of 16 to 32 pairs, to 2, to 1; the group's
+  # partial, to 1: every other reduction is of pairs
+  pairs = [line for line in reduces if "(s32[" in line.split(" reduce(")[0]]
+  assert len(pairs) == len(reduces) - 3 == 4
   tree_bytes = sum(x.nbytes for x in jax.tree.leaves(tree))
   partials = 2 * 8 / (4 * 16)
+  compiled = jax.jit(lambda t: F.global_norm(t, 3)).lower(tree).compile()
   assert compiled.cost_analysis()["bytes accessed"] / tree_bytes == pytest.approx(
       1.0 + partials, abs=0.03)

@@ -162,10 +162,19 @@ def _warm_up(state: ZClipState, norm: jax.Array) -> _WarmUp:
                      state.warmup_norms)
   collected = state.collected + collect.astype(jnp.int32)
   starts = warming & (collected >= length)
-  # Only the last warm-up step needs them (and pays for the median).
-  mean, std = jax.lax.cond(
-      starts, running.robust_moments, lambda b: (state.mean, state.std),
-      buffer)
+  # Only the last warm-up step needs them: on the CPU only it pays for the
+  # median; on GPU and TPU a conditional would wait for its predicate on
+  # the host every step, so each step takes the (small) median and selects.
+  def selected(starts, buffer):
+    mean, std = running.robust_moments(buffer)
+    return (jnp.where(starts, mean, state.mean), jnp.where(starts, std, state.std))
+
+  mean, std = jax.lax.platform_dependent(
+      starts, buffer,
+      cpu=lambda starts, buffer: jax.lax.cond(
+          starts, running.robust_moments, lambda b: (state.mean, state.std),
+          buffer),
+      default=selected)
   return _WarmUp(warming, starts, buffer, collected, mean, std)
 
 

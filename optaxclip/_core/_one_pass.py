@@ -30,7 +30,6 @@ written from them, so the numbers are the same on hardware that flushes
 subnormals (XLA:CPU, TPU) as on hardware that keeps them.
 """
 
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -38,7 +37,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from optaxclip._core import _exact
-from optaxclip._core._batching import Banded, Grouped, reduce, reduce_many
+from optaxclip._core._batching import CPU, Group, Grouped, reduce, reduce_many
+from optaxclip._core._blocks import blocked_reduce
+from optaxclip._core._exponent_sums import blue_partials, one_norm_partials
 from optaxclip._core._mesh import Reduction, layout_spec
 from optaxclip._core._sums import (
   elementwise_power,
@@ -130,30 +131,6 @@ def _hypot(high: jax.Array, low: jax.Array) -> jax.Array:
   return high * jnp.sqrt(1 + ratio * ratio)
 
 
-def _blue_bands(x: jax.Array, acc) -> Banded:
-  """Per entry, its square and which accumulator it goes to (of a complex
-  entry, of each part): the three sums as one reduction (``Banded``),
-  which XLA:GPU fuses with a concatenation of small leaves."""
-  blue = _Blue.of(acc)
-  info = jnp.finfo(acc)
-  parts = []
-  for part in _parts(x, acc):
-    y, small, big = _bands(part, acc, blue.small, blue.big)
-    # Constant factors, each a normal float, and no subnormal path for big
-    # entries: fewer ops per entry (XLA:GPU compiles them once per leaf of
-    # a merged group); the same numbers as ``_scaled``.
-    bits = _exact.magnitude_bits(y)
-    up = jnp.where(bits < (1 << info.nmant),
-                   bits.astype(acc) * 2.0 ** (blue.small_scale + info.minexp - info.nmant),
-                   jnp.abs(y) * 2.0 ** blue.small_scale)
-    t = jnp.where(small, up, jnp.where(big, y * 2.0 ** blue.big_scale, y))
-    parts.append((t * t, jnp.where(small, 0, jnp.where(big, 2, 1))))
-  if len(parts) == 1:
-    return Banded(parts[0][0], parts[0][1], 3)
-  values, bands = zip(*parts)  # a complex entry: its parts side by side
-  return Banded(jnp.stack(values, -1), jnp.stack(bands, -1), 3)
-
-
 def _blue_norms(sums: tuple[jax.Array, ...], divisor) -> jax.Array:
   """The 2-norms from the three accumulators, as LAPACK's ``nrm2`` combines
   them (roots taken before any rescaling, ``divisor`` applied first).
@@ -230,46 +207,16 @@ def _combine_pairs(p):
   return combine
 
 
-# The pairs are reduced in blocks of this many, then the blocks' results in
-# blocks of this many, and so on: whatever order a backend adds a block in
-# (XLA:CPU: one after the other), a sum of n terms then takes at most
-# (_BLOCK - 1) * ceil(log(n) / log(_BLOCK)) roundings (n = 1e6: 75), where
-# one variadic reduction may take n - 1 on the CPU (0.4 % off for p = 0.5).
-_BLOCK = 16
-
-
-def _blocked_reduce(values: tuple[jax.Array, ...], init, combine,
-                    axes: tuple[int, ...]) -> tuple[jax.Array, ...]:
-  """``lax.reduce(values, init, combine, axes)``, in a tree of blocks of
-  ``_BLOCK`` (padded with ``init``): the first level reads each entry once,
-  the next ones read ``1/_BLOCK`` as many partials each."""
-  rank = values[0].ndim
-  axes = tuple(a % rank for a in axes)
-  kept = [a for a in range(rank) if a not in axes]
-  shape = [values[0].shape[a] for a in kept]
-  count = math.prod(values[0].shape[a] for a in axes)
-  values = tuple(lax.reshape(jnp.transpose(v, kept + list(axes)) if (
-      kept + list(axes) != list(range(rank))) else v, (*shape, count))
-      for v in values)
-  while count > _BLOCK:
-    blocks = -(-count // _BLOCK)
-    padding = [(0, 0, 0)] * len(shape) + [(0, blocks * _BLOCK - count, 0)]
-    values = tuple(
-        lax.pad(v, jnp.asarray(i, v.dtype), padding).reshape(*shape, blocks, _BLOCK)
-        for v, i in zip(values, init))
-    values = lax.reduce(values, init, combine, (len(shape) + 1,))
-    count = blocks
-  return lax.reduce(values, init, combine, (len(shape),))
-
-
 def _pair_norms(grouped: Grouped, p, acc, reduction: Reduction, *,
                 total: bool, divisor) -> jax.Array:
   """Orders other than 1, 2, inf: one variadic reduction of pairs."""
   combine = _combine_pairs(p)
   init = (jnp.int32(_ZERO), jnp.zeros([], acc))
 
+  block = grouped.layout.block if grouped.layout else CPU.block
+
   def reducer(values, axis):
-    return _blocked_reduce(values, init, combine, tuple(axis))
+    return blocked_reduce(values, init, combine, tuple(axis), block)
 
   def pairs(x, group):
     return _pairs(x, p, acc)
@@ -301,22 +248,34 @@ def norms_one_pass(grouped: Grouped, p: Any, acc, reduction: Reduction, *,
   """The ``p``-norm of each unit of ``grouped`` (or, with ``total``, of all
   of them), reading each entry once (see the module docstring)."""
   divisor = jnp.ones([], acc) if divisor is None else divisor
-  if is_order(p, 2):
-    banded = grouped.layout.banded if grouped.layout else 0
+  layout = grouped.layout
+  block = layout.block if layout is not None else 0
 
-    def blue(x, group):
-      # A merged group, or a leaf up to the platform's size: one reduction.
-      if total and (group.units is None or x.size <= banded):
-        return _blue_bands(x, acc)
+  def small(x: jax.Array, group: Group) -> bool:
+    # A merged group, or a small leaf off any mesh, of a total: one
+    # reduction of its bits (sharded ``jit`` would gather a leaf for it).
+    return total and layout is not None and (
+        group.units is None
+        or (x.size <= layout.limit and layout_spec(x) is None))
+
+  if is_order(p, 2):
+    blue = _Blue.of(acc)
+
+    def two(x, group):
+      if small(x, group):
+        return blue_partials(x, acc, blue, block=block)
       return _blue_sums(x, acc)
-    sums = reduce_many(grouped, blue, reduction, total=total)
-    return _blue_norms(sums, divisor)
+    return _blue_norms(reduce_many(grouped, two, reduction, total=total),
+                       divisor)
   complex_leaves = any(jnp.iscomplexobj(group.values) for group in grouped.groups)
   on_a_mesh = any(layout_spec(group.values) is not None for group in grouped.groups)
   if is_order(p, 1) and not complex_leaves:
-    sums = reduce_many(grouped, lambda x, _: _one_norm_sums(x, acc),
-                       reduction, total=total)
-    return _one_norms(sums, divisor)
+    def one(x, group):
+      if small(x, group):
+        return one_norm_partials(x, acc, _Blue.of(acc).tiny, block=block)
+      return _one_norm_sums(x, acc)
+    return _one_norms(reduce_many(grouped, one, reduction, total=total),
+                      divisor)
   if (not isinstance(p, jax.Array) and p <= _PAIR_ORDER_LIMIT
       and not complex_leaves and not on_a_mesh):
     return _pair_norms(grouped, p, acc, reduction, total=total,
