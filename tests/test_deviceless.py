@@ -161,20 +161,10 @@ def _cases(names, tpu_v5e: tuple[str, ...], tpu_v6e: tuple[str, ...],
           for name in names for target in TARGETS if name in targets[target]]
 
 
-# What the current code misses (measured 2026-11-27; issue 34). On the
-# H100, orders other than 1, 2 and inf reduce (exponent, sum) pairs
-# computed per entry: XLA:GPU writes the pairs out (their two inputs
-# share work) and reads them again.
-KNOWN_NORMS = {
-    ("float32, ord 3", "h100"): "pairs written out: 2.006 passes vs the floor's 1.002, "
-                                "2 readers",
-}
+# What the current code misses (measured 2026-11-27; issue 34).
+KNOWN_NORMS: dict[tuple[str, str], str] = {}
 STEP_LIMITS = "AdamW alone 7.000 + one read 1.002, limit 8.082"
-GPU = "over the limit on XLA:GPU (measured; cause not traced yet): "
 KNOWN_STEPS = {
-    **{(name, "h100"): f"{GPU}{measured} ({STEP_LIMITS})" for name, measured in (
-        ("clip(groups)", "8.257 passes"), ("clip_by_block_rms", "8.257 passes"),
-        ("adagc", "8.257 passes"))},
     ("adaptive_grad_clip", "h100"): "AGC reads the gradients and the parameters apart "
                                     f"(20.334 passes; {STEP_LIMITS})",
     ("adaptive_grad_clip", "tpu_v5e"): "AGC reads the gradients and the parameters apart "

@@ -203,6 +203,25 @@ def many_leaf_tree(count, seed=0):
           for i in range(count)]
 
 
+@pytest.mark.parametrize("kernel", ["rescue", "one_pass"])
+@pytest.mark.parametrize("ord", [2, 3])
+def test_units_of_one_entry(kernel, ord, monkeypatch):
+  # A unit of one entry: XLA returns a reduction of one element as it is,
+  # without the reducer (the one-pass kernel reduces entries' bits, and
+  # decodes them in its reducer: its results are decoded once more).
+  monkeypatch.setenv("OPTAXCLIP_KERNEL", kernel)
+  tree = [jnp.asarray([v], jnp.float32) for v in (-3.0, 2e-30, 5e30, 0.0, 1.5)]
+  tree.append(jnp.asarray([[4.0], [-1e-30]], jnp.float32))  # two units of one
+  clipped = jax.jit(lambda t: F.clip_by_norm(t, 0.5, ord=ord))(tree)
+  for before, after in zip(tree[:-1], clipped[:-1]):
+    expected = np.asarray(before, np.float64) * min(1.0, 0.5 / max(
+        abs(float(before[0])), 1e-300))
+    np.testing.assert_allclose(np.asarray(after, np.float64), expected, rtol=1e-6)
+  per_row = jax.jit(lambda t: F.clip_by_norm(t, 0.5, ord=ord, layer_axis=0))(tree[-1])
+  np.testing.assert_allclose(np.asarray(per_row, np.float64).ravel(), [0.5, -1e-30],
+                             rtol=1e-6)
+
+
 @pytest.mark.parametrize("ord", [1, 2, 3, math.inf])
 def test_trees_of_several_groups_match_float64(ord, monkeypatch):
   # More leaves than one group holds (groups made small, so that the tree

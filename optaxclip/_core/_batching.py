@@ -161,18 +161,21 @@ def _in_order(pieces: list[jax.Array], order: np.ndarray) -> jax.Array:
 class Grouped:
   """``leaves`` in groups; each leaf's units are its ``keep`` axes' entries.
 
-  With ``merge`` (a total that needs no per-leaf partials: the ``Layout``
-  of the platform the norm runs on), small unsharded leaves of one dtype
-  are concatenated whatever their shapes: one reduction per group.
+  ``layout``: the ``Layout`` of the platform the norm runs on (None: the
+  kernel needs none). With ``merge`` (a total that needs no per-leaf
+  partials), small unsharded leaves of one dtype are concatenated as it
+  says, whatever their shapes: one reduction per group.
   """
 
   def __init__(self, leaves: Sequence[jax.Array],
                keep: Sequence[Keep] | None = None, *,
-               merge: Layout | None = None,
+               layout: Layout | None = None, merge: bool = False,
                plan: list[tuple[bool, list[int]]] | None = None):
     keep = [()] * len(leaves) if keep is None else list(keep)
-    self.plan = _plan(leaves, keep, merge=merge) if plan is None else plan
-    self.layout = merge
+    if plan is None:
+      plan = _plan(leaves, keep, merge=layout if merge else None)
+    self.plan = plan
+    self.layout = layout
     self.keep = keep
     self.kept_shapes = [tuple(x.shape[a] for a in k)
                         for x, k in zip(leaves, keep)]

@@ -19,6 +19,7 @@ Entries enter the reduction as raw bits tagged by ``t = -1`` and are
 decoded inside the combiner, so the reduction's input is the bits alone.
 """
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -47,10 +48,8 @@ def _power_of_two(k: jax.Array, dtype) -> jax.Array:
                    _exact._power_of_two(jnp.maximum(k, info.minexp), dtype), 0)
 
 
-def _decode(pair: ExponentSum, p: int) -> ExponentSum:
-  """A tagged entry's ``(E, t)`` from its bits; a sum as it is."""
-  key, t = pair
-  dtype = t.dtype
+def _field_pair(key: jax.Array, p: int, dtype) -> tuple[jax.Array, jax.Array]:
+  """An entry's ``(E, t)`` from its bits ``key`` (``p`` 1 or 2)."""
   info = jnp.finfo(dtype)
   bias = info.maxexp - 1
   field = key >> info.nmant
@@ -62,18 +61,49 @@ def _decode(pair: ExponentSum, p: int) -> ExponentSum:
   # NaN and Inf (the top field) as themselves: they swamp any finite sum.
   term = jnp.where(field == 2 * info.maxexp - 1,
                    lax.bitcast_convert_type(key, dtype), term)
-  raw = t < 0
-  return ExponentSum(jnp.where(raw, jnp.maximum(field, 1), key),
-                     jnp.where(raw, term, t))
+  return jnp.maximum(field, 1), term
 
 
-def _combiner(p: int):
+def _field_sums(p: int):
+  """Adds ``(E, t)`` pairs: the larger ``E``, the sums rescaled to it by
+  exact powers of two."""
   def combine(a, b):
-    a, b = _decode(ExponentSum(*a), p), _decode(ExponentSum(*b), p)
-    top = jnp.maximum(a.exponent, b.exponent)
-    weight = lambda e: _power_of_two(p * (e - top), a.total.dtype)  # noqa: E731
-    return top, a.total * weight(a.exponent) + b.total * weight(b.exponent)
+    (ea, ta), (eb, tb) = a, b
+    top = jnp.maximum(ea, eb)
+    weight = lambda e: _power_of_two(p * (e - top), ta.dtype)  # noqa: E731
+    return top, ta * weight(ea) + tb * weight(eb)
   return combine
+
+
+def raw(x: jax.Array, acc) -> tuple[jax.Array, jax.Array]:
+  """The entries of real ``x`` as a tagged reduction takes them: their
+  bits in ``acc`` (of ``|x|``), each marked not yet decoded."""
+  bits = _exact.magnitude_bits(x.astype(acc))
+  return bits, jnp.full(bits.shape, _RAW, acc)
+
+
+def _decoded(decode: Callable[[jax.Array], tuple[jax.Array, jax.Array]],
+             pair: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+  """A ``raw`` entry decoded (``decode(bits)``, a pair); a sum as it is."""
+  key, t = pair
+  exponent, term = decode(key)
+  entry = t < 0  # a sum (NaN too) is not below 0
+  return (jnp.where(entry, exponent.astype(key.dtype), key),
+          jnp.where(entry, term, t))
+
+
+def tagged_reduce(values: tuple[jax.Array, jax.Array], init,
+                  decode: Callable[[jax.Array], tuple[jax.Array, jax.Array]],
+                  combine: Callable[[Any, Any], tuple[jax.Array, jax.Array]],
+                  axes: tuple[int, ...], block: int) -> tuple[jax.Array, jax.Array]:
+  """Reduces ``raw`` entries (``values``) to pairs over ``axes``: each
+  operand of ``combine`` decoded first, and the results too (XLA takes
+  ``init`` for an identity: a reduction of one entry may return it
+  undecoded)."""
+  def combined(a, b):
+    return combine(_decoded(decode, a), _decoded(decode, b))
+  key, t = blocked_reduce(values, init, combined, axes, block)
+  return _decoded(decode, (key, t))
 
 
 # Partial sums of rows of this many entries: XLA:GPU reduces each group in
@@ -82,9 +112,13 @@ def _combiner(p: int):
 _ROW = 4096
 
 
-def _reduce(values, p: int, block: int, axis: int) -> ExponentSum:
-  init = (jnp.zeros([], values[0].dtype), jnp.zeros([], values[1].dtype))
-  return ExponentSum(*blocked_reduce(values, init, _combiner(p), (axis,), block))
+def _reduce(values, p: int, block: int, axes) -> ExponentSum:
+  dtype = values[1].dtype
+  init = (jnp.zeros([], values[0].dtype), jnp.zeros([], dtype))
+  axes = (axes,) if isinstance(axes, int) else tuple(axes)
+  return ExponentSum(*tagged_reduce(
+      values, init, lambda key: _field_pair(key, p, dtype), _field_sums(p),
+      axes, block))
 
 
 def partial_sums(x: jax.Array, p: int, acc, *, block: int) -> ExponentSum:
@@ -97,7 +131,7 @@ def partial_sums(x: jax.Array, p: int, acc, *, block: int) -> ExponentSum:
     if p != 2:
       raise ValueError("exponent sums of complex entries take p = 2")
     x = jnp.stack([jnp.real(x), jnp.imag(x)])  # |x|**2 = re**2 + im**2
-  bits = _exact.magnitude_bits(x.astype(acc)).reshape(-1)
+  bits = raw(x, acc)[0].reshape(-1)
   if block:
     rows = bits.reshape(1, -1)
   else:  # padded with zeros: (E, t) = (1, 0), nothing to the sum
@@ -134,6 +168,24 @@ def one_norm_partials(x: jax.Array, acc, tiny: int, *, block: int) -> Partials:
   ``one_norm_sums``."""
   return Partials(partial_sums(x, 1, acc, block=block),
                   lambda sums: one_norm_sums(_summed(sums, 1, block), tiny))
+
+
+class Bits(NamedTuple):
+  """A leaf's entries as ``raw`` gives them: what an ``elementwise`` of
+  ``_batching.reduce_many`` gives, per unit, for a reducer of
+  ``blue_reducer`` to reduce as one reduction of its bits."""
+  values: tuple[jax.Array, jax.Array]
+
+
+def blue_reducer(blue: Any, *, block: int):
+  """A ``reducer`` of ``reduce_many`` for Blue's three sums: of ``Bits``,
+  one reduction of pairs, as ``blue_sums``; else three sibling sums."""
+  def reducer(out, axis):
+    if isinstance(out, Bits):
+      summed = _reduce(out.values, 2, block, tuple(axis))
+      return blue_sums(summed, blue)
+    return tuple(jnp.sum(v, axis=axis) for v in out)
+  return reducer
 
 
 def blue_sums(s: ExponentSum, blue: Any) -> tuple[jax.Array, ...]:

@@ -120,7 +120,7 @@ def _p_norms(leaves, p, reduction: Reduction, keep: tuple[Keep, ...] | None,
   def grouped(leaves, layout: Layout | None = CPU):
     # A total needs no per-leaf partials: small leaves of any shape merge.
     merge = total and reduction.replicated_axes is None
-    return Grouped(leaves, keep, merge=layout if merge else None)
+    return Grouped(leaves, keep, layout=layout, merge=merge)
 
   def tangents(leaves, dots, out, p, dp=None):
     if roots is not None:  # d(norm / root) = d norm / root

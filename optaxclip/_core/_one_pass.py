@@ -38,13 +38,18 @@ from jax import lax
 
 from optaxclip._core import _exact
 from optaxclip._core._batching import CPU, Group, Grouped, reduce, reduce_many
-from optaxclip._core._blocks import blocked_reduce
-from optaxclip._core._exponent_sums import blue_partials, one_norm_partials
-from optaxclip._core._mesh import Reduction, layout_spec
+from optaxclip._core._exponent_sums import (
+  Bits,
+  blue_partials,
+  blue_reducer,
+  one_norm_partials,
+  raw,
+  tagged_reduce,
+)
+from optaxclip._core._mesh import Reduction, layout_spec, mesh_size
 from optaxclip._core._sums import (
   elementwise_power,
   is_order,
-  magnitude,
   power,
   rescued_roots,
 )
@@ -177,13 +182,12 @@ def _one_norms(sums: tuple[jax.Array, ...], divisor) -> jax.Array:
                    _exact.unscaled(tiny / divisor, exponent))
 
 
-def _pairs(x: jax.Array, p, acc) -> tuple[jax.Array, jax.Array]:
-  """Per entry ``(e, (|x| / 2**e)**p)``, ``e`` its ``frexp`` exponent, from
-  its bits (exact for subnormals); ``(_ZERO, 0)`` for 0 and
-  ``(_NOT_FINITE, |x|)`` for NaN/Inf."""
-  y = magnitude(x, acc)
+def _pairs(bits: jax.Array, p, acc) -> tuple[jax.Array, jax.Array]:
+  """Per entry (its bits: ``_exponent_sums.raw``) ``(e, (|x| / 2**e)**p)``,
+  ``e`` its ``frexp`` exponent (exact for subnormals); ``(_ZERO, 0)`` for 0
+  and ``(_NOT_FINITE, |x|)`` for NaN/Inf."""
+  y = lax.bitcast_convert_type(bits, acc)  # compared, never computed with
   info = jnp.finfo(acc)
-  bits = _exact.magnitude_bits(y)
   exponent = _exact.exponent_of_bits(bits, acc)
   field = bits >> info.nmant
   top = (info.bits - 1) - lax.clz(bits)
@@ -195,7 +199,7 @@ def _pairs(x: jax.Array, p, acc) -> tuple[jax.Array, jax.Array]:
   nonzero = _exact.nonzero_bits(y)  # `bits != 0` would read subnormals as 0
   e = jnp.where(finite, jnp.where(nonzero, exponent, _ZERO), _NOT_FINITE)
   t = jnp.where(finite, jnp.where(nonzero, power(mantissa, p), 0), y)
-  return e.astype(jnp.int32), t
+  return e, t
 
 
 def _combine_pairs(p):
@@ -209,17 +213,19 @@ def _combine_pairs(p):
 
 def _pair_norms(grouped: Grouped, p, acc, reduction: Reduction, *,
                 total: bool, divisor) -> jax.Array:
-  """Orders other than 1, 2, inf: one variadic reduction of pairs."""
+  """Orders other than 1, 2, inf: one variadic reduction of pairs, whose
+  input is the entries' bits (``_exponent_sums.tagged``: XLA:GPU writes out
+  pairs computed per entry, and reads them again)."""
   combine = _combine_pairs(p)
-  init = (jnp.int32(_ZERO), jnp.zeros([], acc))
-
+  init = (jnp.asarray(_ZERO, _exact.integer_type(acc)), jnp.zeros([], acc))
   block = grouped.layout.block if grouped.layout else CPU.block
 
   def reducer(values, axis):
-    return blocked_reduce(values, init, combine, tuple(axis), block)
+    return tagged_reduce(values, init, lambda bits: _pairs(bits, p, acc),
+                         combine, tuple(axis), block)
 
   def pairs(x, group):
-    return _pairs(x, p, acc)
+    return raw(x, acc)
 
   e, t = reduce_many(grouped, pairs, reduction, total=total, reducer=reducer,
                      combine=combine, across=_pairs_across(p, reduction))
@@ -243,6 +249,14 @@ def _pairs_across(p, reduction: Reduction):
   return across
 
 
+def _split(values: jax.Array) -> bool:
+  """Whether ``values`` are laid out on a mesh of several devices, where
+  sharded ``jit`` would gather them for a variadic reduction (a mesh of
+  one device, as ``jax.set_mesh`` around a one-device trace, splits
+  nothing)."""
+  return layout_spec(values) is not None and (mesh_size(values) or 1) > 1
+
+
 def norms_one_pass(grouped: Grouped, p: Any, acc, reduction: Reduction, *,
                    total: bool, divisor=None) -> jax.Array:
   """The ``p``-norm of each unit of ``grouped`` (or, with ``total``, of all
@@ -250,28 +264,32 @@ def norms_one_pass(grouped: Grouped, p: Any, acc, reduction: Reduction, *,
   divisor = jnp.ones([], acc) if divisor is None else divisor
   layout = grouped.layout
   block = layout.block if layout is not None else 0
+  complex_leaves = any(jnp.iscomplexobj(group.values) for group in grouped.groups)
 
   def small(x: jax.Array, group: Group) -> bool:
-    # A merged group, or a small leaf off any mesh, of a total: one
-    # reduction of its bits (sharded ``jit`` would gather a leaf for it).
-    return total and layout is not None and (
+    # A merged group, or a small leaf off any mesh: one reduction of its
+    # bits (sharded ``jit`` would gather a leaf for it; XLA:GPU writes the
+    # terms of sibling sums of a leaf up to ~2**18 entries out).
+    return layout is not None and (
         group.units is None
-        or (x.size <= layout.limit and layout_spec(x) is None))
+        or (x.size <= layout.limit and not _split(x)))
 
   if is_order(p, 2):
     blue = _Blue.of(acc)
 
     def two(x, group):
-      if small(x, group):
+      if small(x, group) and total:
         return blue_partials(x, acc, blue, block=block)
+      if small(x, group) and not jnp.iscomplexobj(x):
+        return Bits(raw(x, acc))
       return _blue_sums(x, acc)
-    return _blue_norms(reduce_many(grouped, two, reduction, total=total),
-                       divisor)
-  complex_leaves = any(jnp.iscomplexobj(group.values) for group in grouped.groups)
-  on_a_mesh = any(layout_spec(group.values) is not None for group in grouped.groups)
+    return _blue_norms(reduce_many(
+        grouped, two, reduction, total=total,
+        reducer=blue_reducer(blue, block=block)), divisor)
+  on_a_mesh = any(_split(group.values) for group in grouped.groups)
   if is_order(p, 1) and not complex_leaves:
     def one(x, group):
-      if small(x, group):
+      if total and small(x, group):
         return one_norm_partials(x, acc, _Blue.of(acc).tiny, block=block)
       return _one_norm_sums(x, acc)
     return _one_norms(reduce_many(grouped, one, reduction, total=total),
