@@ -13,7 +13,9 @@ Inside (docs/design.md): ``_measure`` (``measure``, ``Measured``), ``_kept``
 tensors), ``_norms`` (the compiled, differentiable norm,
 its kernel chosen by platform), ``_sums`` (the CPU kernel: powers, the
 plain power sums and the overflow rescue), ``_one_pass`` (the GPU/TPU
-kernel: one read, no conditional),
+kernel: one read, no conditional), ``_exponent_sums`` (its reductions of
+the entries' bits, for small leaves and pair orders), ``_blocks`` (a
+reduction in a tree of blocks, for XLA:CPU),
 ``_tangents`` (the derivative by formula), ``_exact`` (exact powers of
 two), ``_batching`` (small leaves grouped for compile time) and ``_mesh``
 (specs, the one all-reduce, layouts); ``_partials`` (pipeline stages'

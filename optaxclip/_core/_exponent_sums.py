@@ -1,22 +1,24 @@
-"""Sums of ``|x|`` or ``x**2`` over small leaves as one reduction of bits.
+"""Sums of powers of ``|x|`` as one reduction of the entries' bits.
 
-The GPU/TPU kernel for a merged group of small leaves (``_batching``): one
-reduction whose only input is each entry's bits, so that XLA:GPU fuses the
-concatenation of up to ~64 leaves into the reduction that reads it. Blue's
-three masked sums make it write the concatenation out (sibling sums) or,
-as one reduction of a one-hot of the bands, fuse only ~16 leaves; pairs
-computed per entry as two inputs make it write the pairs out (H100,
-deviceless, 200 small leaves in groups of 64: 9 fusions and 1.008 passes
-here, 3.86 passes for pairs, 2.9 for the one-hot).
+The one-pass kernel's reductions of small leaves (merged many to a group,
+``_batching``, or one leaf's own units) and of pair orders (``_one_pass``):
+one reduction whose only input is each entry's bits, so that XLA:GPU fuses
+the concatenation of up to ~64 leaves into the reduction that reads it.
+Blue's three masked sums make it write the concatenation out (sibling
+sums) or, as one reduction of a one-hot of the bands, fuse only ~16
+leaves; pairs computed per entry as two inputs make it write the pairs out
+(H100, deviceless, 200 small leaves in groups of 64: 9 fusions and 1.008
+passes here, 3.86 passes for pairs, 2.9 for the one-hot).
 
-Each entry is the pair ``(E, t)``: ``E`` its biased exponent field (at least
-1), ``t = (|x| / 2**(E - bias))**p``, exact for subnormals (``E = 1`` and a
-mantissa below 1, read from the bits; no arithmetic on a subnormal, which
-XLA:CPU and TPUs flush). The reduction keeps the largest ``E`` and the sum
-of the ``t`` rescaled to it by exact powers of two (terms more than
-``2**minexp`` below the largest are dropped: far below its rounding).
-Entries enter the reduction as raw bits tagged by ``t = -1`` and are
-decoded inside the combiner, so the reduction's input is the bits alone.
+For ``p`` 1 and 2 each entry is the pair ``(E, t)``: ``E`` its biased
+exponent field (at least 1), ``t = (|x| / 2**(E - bias))**p``, exact for
+subnormals (``E = 1`` and a mantissa below 1, read from the bits; no
+arithmetic on a subnormal, which XLA:CPU and TPUs flush). The reduction
+keeps the largest ``E`` and the sum of the ``t`` rescaled to it by exact
+powers of two (terms more than ``2**minexp`` below the largest are
+dropped: far below its rounding). Entries enter the reduction as raw bits
+tagged by ``t = -1`` and are decoded inside the reducer (``tagged_reduce``,
+which pair orders use with their own pairs).
 """
 
 from collections.abc import Callable
@@ -41,7 +43,7 @@ class ExponentSum(NamedTuple):
   total: jax.Array
 
 
-def _power_of_two(k: jax.Array, dtype) -> jax.Array:
+def _power_of_two_or_zero(k: jax.Array, dtype) -> jax.Array:
   """``2**k`` from its bits, 0 below the normal range (``k`` < maxexp)."""
   info = jnp.finfo(dtype)
   return jnp.where(k >= info.minexp,
@@ -70,7 +72,7 @@ def _field_sums(p: int):
   def combine(a, b):
     (ea, ta), (eb, tb) = a, b
     top = jnp.maximum(ea, eb)
-    weight = lambda e: _power_of_two(p * (e - top), ta.dtype)  # noqa: E731
+    weight = lambda e: _power_of_two_or_zero(p * (e - top), ta.dtype)  # noqa: E731
     return top, ta * weight(ea) + tb * weight(eb)
   return combine
 
