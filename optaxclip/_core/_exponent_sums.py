@@ -21,6 +21,7 @@ tagged by ``t = -1`` and are decoded inside the reducer (``tagged_reduce``,
 which pair orders use with their own pairs).
 """
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -99,12 +100,15 @@ def tagged_reduce(values: tuple[jax.Array, jax.Array], init,
                   combine: Callable[[Any, Any], tuple[jax.Array, jax.Array]],
                   axes: tuple[int, ...], block: int) -> tuple[jax.Array, jax.Array]:
   """Reduces ``raw`` entries (``values``) to pairs over ``axes``: each
-  operand of ``combine`` decoded first, and the results too (XLA takes
-  ``init`` for an identity: a reduction of one entry may return it
-  undecoded)."""
+  operand of ``combine`` decoded first. The result of two entries or more
+  comes out of ``combine``; of one entry, XLA may return it as it is (it
+  takes ``init`` for an identity): then it is decoded after (an epilogue
+  XLA:GPU gives a kernel of its own, so only then)."""
   def combined(a, b):
     return combine(_decoded(decode, a), _decoded(decode, b))
   key, t = blocked_reduce(values, init, combined, axes, block)
+  if math.prod(values[0].shape[a] for a in axes) > 1:
+    return key, t
   return _decoded(decode, (key, t))
 
 
