@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from optaxclip._core import _exact
-from optaxclip._core._batching import Partials
+from optaxclip._core._batching import Partials, sibling_sums
 from optaxclip._core._blocks import blocked_reduce
 
 _RAW = -1.0  # the `t` of an entry not yet decoded (a sum is never negative)
@@ -137,7 +137,7 @@ def partial_sums(x: jax.Array, p: int, acc, *, block: int) -> ExponentSum:
     if p != 2:
       raise ValueError("exponent sums of complex entries take p = 2")
     x = jnp.stack([jnp.real(x), jnp.imag(x)])  # |x|**2 = re**2 + im**2
-  bits = raw(x, acc)[0].reshape(-1)
+  bits = _exact.magnitude_bits(x.astype(acc)).reshape(-1)
   if block:
     rows = bits.reshape(1, -1)
   else:  # padded with zeros: (E, t) = (1, 0), nothing to the sum
@@ -190,7 +190,7 @@ def blue_reducer(blue: Any, *, block: int):
     if isinstance(out, Bits):
       summed = _reduce(out.values, 2, block, tuple(axis))
       return blue_sums(summed, blue)
-    return tuple(jnp.sum(v, axis=axis) for v in out)
+    return sibling_sums(out, axis)
   return reducer
 
 

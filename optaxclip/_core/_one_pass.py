@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from optaxclip._core import _exact
-from optaxclip._core._batching import CPU, Group, Grouped, reduce, reduce_many
+from optaxclip._core._batching import Group, Grouped, reduce, reduce_many
 from optaxclip._core._exponent_sums import (
   Bits,
   blue_partials,
@@ -221,13 +221,12 @@ def _combine_pairs(p):
 
 
 def _pair_norms(grouped: Grouped, p, acc, reduction: Reduction, *,
-                total: bool, divisor) -> jax.Array:
+                total: bool, divisor, block: int) -> jax.Array:
   """Orders other than 1, 2, inf: one variadic reduction of pairs, whose
-  input is the entries' bits (``_exponent_sums.tagged``: XLA:GPU writes out
+  input is the entries' bits (``_exponent_sums.tagged_reduce``: XLA:GPU writes out
   pairs computed per entry, and reads them again)."""
   combine = _combine_pairs(p)
   init = (jnp.asarray(_ZERO, _exact.integer_type(acc)), jnp.zeros([], acc))
-  block = grouped.layout.block if grouped.layout else CPU.block
 
   def reducer(values, axis):
     return tagged_reduce(values, init, lambda bits: _pairs(bits, p, acc),
@@ -272,16 +271,15 @@ def norms_one_pass(grouped: Grouped, p: Any, acc, reduction: Reduction, *,
   of them), reading each entry once (see the module docstring)."""
   divisor = jnp.ones([], acc) if divisor is None else divisor
   layout = grouped.layout
-  block = layout.block if layout is not None else 0
+  assert layout is not None, "the one-pass kernel groups by a platform's layout"
+  block = layout.block
   complex_leaves = any(jnp.iscomplexobj(group.values) for group in grouped.groups)
 
   def small(x: jax.Array, group: Group) -> bool:
     # A merged group, or a small leaf off any mesh: one reduction of its
     # bits (sharded ``jit`` would gather a leaf for it; XLA:GPU writes the
     # terms of sibling sums of a leaf up to ~2**18 entries out).
-    return layout is not None and (
-        group.units is None
-        or (x.size <= layout.limit and not _split(x)))
+    return group.units is None or (x.size <= layout.limit and not _split(x))
 
   if is_order(p, 2):
     blue = _Blue.of(acc)
@@ -306,7 +304,7 @@ def norms_one_pass(grouped: Grouped, p: Any, acc, reduction: Reduction, *,
   if (not isinstance(p, jax.Array) and p <= _PAIR_ORDER_LIMIT
       and not complex_leaves and not on_a_mesh):
     return _pair_norms(grouped, p, acc, reduction, total=total,
-                       divisor=divisor)
+                       divisor=divisor, block=block)
   # Orders this high, traced (a reduction may not close over one), complex
   # leaves (|x| of subnormal parts), leaves on a mesh: the largest |x|
   # first, then the powers divided by it; the plain sums carry NaN/Inf.
