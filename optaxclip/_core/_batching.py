@@ -139,14 +139,38 @@ def _flat(reduced: jax.Array) -> jax.Array:
   return reduced.reshape(-1)
 
 
-def _in_order(pieces: list[jax.Array], order: np.ndarray) -> jax.Array:
-  """The groups' unit vectors as one, in unit order."""
+# Unit vectors are put in order from at most this many runs of units by
+# slices (more: one gather). A gather of AGC's units, as many as the
+# leaves' entries over 2 for 3-D leaves, is a pass of its own on an
+# accelerator; slices of the groups' results fold into what reads them.
+_RUNS = 256
+
+
+def _runs(orders: list[np.ndarray]) -> list[tuple[int, int, int]]:
+  """``(group, first, stop)``: each group's results ``[first:stop]`` whose
+  units are consecutive, in unit order."""
+  runs = []
+  for k, order in enumerate(orders):
+    cuts = np.flatnonzero(np.diff(order) != 1) + 1
+    runs += [(int(order[a]), k, int(a), int(b))
+             for a, b in zip([0, *cuts], [*cuts, order.size])]
+  return [run[1:] for run in sorted(runs)]
+
+
+def _in_order(pieces: list[jax.Array], orders: list[np.ndarray]) -> jax.Array:
+  """The groups' unit vectors as one, in unit order (``orders``: each
+  group's units' positions)."""
   if len({layout_spec(piece) for piece in pieces}) > 1:
     pieces = [gathered(piece) for piece in pieces]
-  vector = jnp.concatenate(pieces)
-  if not np.array_equal(order, np.arange(order.size)):
-    vector = _take(vector, np.argsort(order))
-  return vector
+  order = np.concatenate(orders)
+  if np.array_equal(order, np.arange(order.size)):
+    return jnp.concatenate(pieces)
+  runs = _runs(orders)
+  if len(runs) > _RUNS:
+    return _take(jnp.concatenate(pieces), np.argsort(order))
+  return jnp.concatenate([pieces[k] if (first, stop) == (0, pieces[k].size)
+                          else lax.slice_in_dim(pieces[k], first, stop)
+                          for k, first, stop in runs])
 
 
 class Grouped:
@@ -215,7 +239,6 @@ class Grouped:
       several = isinstance(reduced, tuple)
       pieces.append([_flat(r) for r in (reduced if several else (reduced,))])
       order.append(group.units.reshape(-1))
-    order = np.concatenate(order)
     vectors = tuple(_in_order(list(column), order) for column in zip(*pieces))
     return vectors if several else vectors[0]
 

@@ -265,6 +265,14 @@ def _split(values: jax.Array) -> bool:
   return layout_spec(values) is not None and (mesh_size(values) or 1) > 1
 
 
+def _rows(group: Group) -> bool:
+  """Whether ``group``'s units reduce its trailing axes (a row reduction,
+  whose sibling sums XLA:GPU fuses into one read; it writes the terms of
+  sibling column reductions out: AGC's units of a matrix, 6 passes)."""
+  rank = jnp.ndim(group.values)
+  return group.reduced == tuple(range(rank - len(group.reduced), rank))
+
+
 def norms_one_pass(grouped: Grouped, p: Any, acc, reduction: Reduction, *,
                    total: bool, divisor=None) -> jax.Array:
   """The ``p``-norm of each unit of ``grouped`` (or, with ``total``, of all
@@ -287,12 +295,19 @@ def norms_one_pass(grouped: Grouped, p: Any, acc, reduction: Reduction, *,
     def two(x, group):
       if small(x, group) and total:
         return blue_partials(x, acc, blue, block=block)
-      if small(x, group) and not jnp.iscomplexobj(x):
+      if ((small(x, group) or not (total or _rows(group) or _split(x)))
+          and not jnp.iscomplexobj(x)):
         return Bits(raw(x, acc))
       return _blue_sums(x, acc)
-    return _blue_norms(reduce_many(
-        grouped, two, reduction, total=total,
-        reducer=blue_reducer(blue, block=block)), divisor)
+    reducer = blue_reducer(blue, block=block)
+    if not (total or reduction.axis_names or jnp.ndim(divisor)):
+      # Each group's norms finished where it is reduced: one vector to put
+      # in unit order, not three (XLA:TPU copies each, AGC's units of 3-D
+      # leaves as many as half their entries).
+      return reduce_many(grouped, two, reduction, total=False, reducer=lambda out, axis: (
+          _blue_norms(reducer(out, axis), divisor),))[0]
+    return _blue_norms(reduce_many(grouped, two, reduction, total=total,
+                                   reducer=reducer), divisor)
   on_a_mesh = any(_split(group.values) for group in grouped.groups)
   if is_order(p, 1) and not complex_leaves:
     def one(x, group):
