@@ -336,3 +336,35 @@ def test_sums_of_a_million_entries_keep_their_error_bound(kernel, monkeypatch):
     error = abs(float(got) / exact ** (1 / p) - 1)
     # Pairwise: log2(16) roundings at most; one after the other: 15 u lost.
     assert error <= 4 * u, (p, error / u)
+
+
+# --------------------------------------------------------------------------
+# A subnormal norm against its threshold: XLA:CPU (and TPUs) read a subnormal
+# as 0 in a float comparison or division, GPUs do not; the clip compares and
+# divides from the bits, so every platform clips and counts alike (a norm of
+# 2**-148 was "at most" a max_norm of 0, and counted unclipped, on the CPU).
+
+SUBNORMAL = 2.0 ** -149  # the smallest float32
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_subnormal_norm_is_compared_and_divided_alike_everywhere(kernel, monkeypatch):
+  monkeypatch.setenv("OPTAXCLIP_KERNEL", kernel)
+  grads = {"w": jnp.full((4,), SUBNORMAL, jnp.float32)}  # norm 2**-148
+  rows = jnp.full((3, 4), SUBNORMAL, jnp.float32)  # three examples, each 2**-148
+  # max_norm (a constant, which XLA folds): the factor, and whether clipped.
+  for max_norm, factor in ((0.0, 0.0), (SUBNORMAL, 0.5), (3 * SUBNORMAL, 1.0)):
+    tx = oc.clip_by_global_norm(max_norm)
+
+    def clip(grads, rows, tx=tx, max_norm=max_norm):
+      _, state = tx.update(grads, tx.init(grads))
+      _, clipped, _ = F.per_example_clip_by_global_norm(rows, max_norm)
+      return state, clipped
+
+    for run in (clip, jax.jit(clip)):
+      state, clipped = run(grads, rows)
+      shown = f"max_norm {max_norm}, {'jit' if run is not clip else 'eager'}"
+      assert float(state.norm) == 2 * SUBNORMAL, shown
+      assert float(state.scale) == factor, shown
+      assert int(state.clipped_count) == int(factor < 1), shown
+      assert int(clipped) == 3 * int(factor < 1), shown

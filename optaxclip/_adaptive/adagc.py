@@ -118,7 +118,7 @@ def step(state: AdaGCState, norms: jax.Array, norm: jax.Array, *,
   # lasting level, a zero warm-up) starts its gamma again from its norm.
   far = ~warming & (running.far_above(
       norms, jnp.asarray(lambda_rel, dtype) * state.gamma) | (
-          (norms > 0) & running.far_below(norms, state.gamma)))
+          _core.below(jnp.zeros_like(norms), norms) & running.far_below(norms, state.gamma)))
   far_streak, release = running.streak_of(state.far_streak, far, finite)
   gamma = jnp.where(release, norms, state.gamma)
   factors = jnp.where(warming, scaling.clip_factor(norm, lambda_abs, eps),

@@ -129,7 +129,7 @@ def _spike_threshold(norm: jax.Array, mean: jax.Array, std: jax.Array,
   z_limit = jnp.asarray(z_thresh, norm.dtype)
   if mode == "percentile":
     limit = mean + z_limit * std
-    return norm > limit, limit
+    return _core.below(limit, norm), limit
   if clip_option == "mean":
     return z > z_limit, mean
   # The reference's mean + z_thresh * std / (z / z_thresh), times
@@ -216,7 +216,7 @@ def step(state: ZClipState, norm: jax.Array, *, alpha: Scalar,
   if max_grad_norm is not None:
     threshold = jnp.minimum(threshold, jnp.asarray(max_grad_norm, dtype))
   coefficient = _safe_divide(threshold, norm + COEFFICIENT_EPS, 1.0)
-  factor = jnp.where(norm > threshold, coefficient, 1.0)
+  factor = jnp.where(_core.below(threshold, norm), coefficient, 1.0)
   if max_grad_norm is not None:  # warm-up: torch's clip_grad_norm_
     warm_factor = scaling.clip_factor(norm, max_grad_norm, COEFFICIENT_EPS)
   else:

@@ -89,7 +89,8 @@ def unit_factors(g_norm: jax.Array, max_norm: jax.Array,
                  div_eps: Scalar = DIV_EPS) -> jax.Array:
   """optax's unitwise clip as a factor: 1 where ``g_norm < max_norm``,
   else ``max_norm / max(g_norm, div_eps)`` (NaN where either is NaN)."""
-  return jnp.where(g_norm < max_norm, 1,
+  # Compared as bits: the same units clipped where subnormals flush.
+  return jnp.where(_core.below(g_norm, max_norm), 1,
                    max_norm / jnp.maximum(g_norm, jnp.asarray(div_eps, g_norm.dtype)))
 
 

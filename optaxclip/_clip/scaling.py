@@ -10,7 +10,7 @@ clipped copy, lets XLA fuse the factor into whatever reads the update next
 import jax
 import jax.numpy as jnp
 
-from optaxclip import _tree
+from optaxclip import _core, _tree
 from optaxclip._types import PyTree
 
 
@@ -27,13 +27,17 @@ def clip_factor(norm: jax.Array, max_norm: jax.typing.ArrayLike,
   ``max_norm``) flushes to zero on hardware that flushes subnormals: the
   update is then zero.
   """
-  denominator = norm + jnp.asarray(eps, norm.dtype)
+  eps = jnp.asarray(eps, norm.dtype)
   max_norm = jnp.asarray(max_norm, norm.dtype)
+  # A subnormal norm is compared and divided by from its bits (hardware
+  # that flushes subnormals reads it as 0): the same factor on every
+  # platform. `norm + 0` would flush it too.
+  denominator = jnp.where(eps == 0, norm, norm + eps)
   # False for NaN (NaN propagates) and for an Inf norm, even under an
   # infinite max_norm.
-  unclipped = (denominator <= max_norm) & (denominator < jnp.inf)
+  unclipped = _core.at_most(denominator, max_norm) & (denominator < jnp.inf)
   safe = jnp.where(unclipped, 1, denominator)
-  return jnp.where(unclipped, 1, max_norm / safe)
+  return jnp.where(unclipped, 1, _core.quotient(max_norm, safe))
 
 
 def zero_unless(keep: jax.Array, tree: PyTree) -> PyTree:

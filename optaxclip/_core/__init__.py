@@ -22,6 +22,9 @@ two), ``_batching`` (small leaves grouped for compile time) and ``_mesh``
 leaf, layer and expert norms, combined in one fixed order).
 """
 
+from optaxclip._core._exact import at_most as at_most
+from optaxclip._core._exact import below as below
+from optaxclip._core._exact import quotient as quotient
 from optaxclip._core._joint import Joint as Joint
 from optaxclip._core._joint import joint_shapes as joint_shapes
 from optaxclip._core._joint import measure_joint as measure_joint

@@ -43,6 +43,40 @@ def nonzero_bits(y: jax.Array) -> jax.Array:
   return (bits >= (1 << info.nmant)) | ((bits & ((1 << info.nmant) - 1)) != 0)
 
 
+def at_most(a: jax.Array, b: jax.Array) -> jax.Array:
+  """``a <= b`` for ``a, b >= 0`` (False where either is NaN), compared as
+  bits: a float comparison reads a subnormal as 0 where hardware flushes
+  them (a norm of 3e-45 is then "at most" 0). Against 0 through
+  ``nonzero_bits``: LLVM folds a comparison of all the bits with a
+  constant 0 back into a float one."""
+  ordered = jnp.where(nonzero_bits(b), magnitude_bits(a) <= magnitude_bits(b),
+                      ~nonzero_bits(a))
+  return ordered & (a == a) & (b == b)
+
+
+def below(a: jax.Array, b: jax.Array) -> jax.Array:
+  """``a < b`` for ``a, b >= 0`` (False where either is NaN), as bits (a
+  constant 0 as in ``at_most``)."""
+  ordered = jnp.where(nonzero_bits(a), magnitude_bits(a) < magnitude_bits(b),
+                      nonzero_bits(b))
+  return ordered & (a == a) & (b == b)
+
+
+def quotient(a: jax.Array, b: jax.Array) -> jax.Array:
+  """``a / b`` for ``a, b >= 0``, right where ``b`` is subnormal (read as 0
+  where hardware flushes subnormals: the quotient would be NaN or Inf).
+  Both are scaled up by ``2**64`` there first (exactly, from their bits;
+  the gradient is the plain quotient's)."""
+  info = jnp.finfo(b.dtype)
+  up = Scale.by(jnp.asarray(64), b.dtype)
+
+  def scaled(x):
+    plain = x * 2.0 ** 64
+    return plain + lax.stop_gradient(up.apply(x) - plain)
+  tiny = magnitude_bits(b) < (1 << info.nmant)  # subnormal (or 0)
+  return jnp.where(tiny, scaled(a) / scaled(jnp.where(tiny, b, 1)), a / b)
+
+
 def _power_of_two(exponent: jax.Array, dtype) -> jax.Array:
   """``2 ** exponent`` from its bits, for ``minexp <= exponent < maxexp``."""
   info = jnp.finfo(dtype)

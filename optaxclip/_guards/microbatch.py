@@ -108,7 +108,7 @@ def microbatch_guard(*, max_norm: Scalar | None = None, ord: Ord = 2,
     norm = _core.measure(fn, updates, p, where).total
     skip = ~jnp.isfinite(norm)  # decided in the norm's own (wider) dtype
     if max_norm is not None:
-      skip = skip | (norm > jnp.asarray(max_norm, norm.dtype))
+      skip = skip | _core.below(jnp.asarray(max_norm, norm.dtype), norm)
     return skip, MicrobatchGuardState(norm=norm.astype(jnp.float32), skipped=skip)
 
   return should_skip

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from optaxclip import _core
 from optaxclip._stats import counters, leaf_stats, registry, running, spikes
 from optaxclip._stats.counters import Counter
 from optaxclip._stats.spikes import Running
@@ -232,7 +233,7 @@ def step(stats: SkipStats, norm: jax.Array, *, nonfinite: bool,
   finite = jnp.isfinite(norm)
   too_large = jnp.zeros([], bool)
   if max_norm is not None:
-    too_large = finite & (norm > jnp.asarray(max_norm, norm.dtype))
+    too_large = finite & _core.below(jnp.asarray(max_norm, norm.dtype), norm)
   by = {k: g.skips for k, g in guards.items()}
   by["norm"] = too_large | guards["norm"].judged.spike | (
       ~finite if nonfinite else False)
