@@ -19,7 +19,10 @@ underflow safety live inside the one pass instead:
   instead, merged ones many to a reduction, and added into the band of
   their largest entry (``_exponent_sums``): XLA:GPU writes the input of
   sibling sums out for a concatenation, and for a leaf up to ~2**18
-  entries.
+  entries. So are units that keep a leaf's trailing axes, of any size
+  (AGC's: XLA:GPU writes sibling column sums out), each group's norms
+  finished where it is reduced (XLA:TPU copies each vector it lays out
+  in unit order).
 - ``p = 1``: two accumulators (entries below ``2**-100`` scaled up by
   ``2**100``); a sum of ``|x|`` overflows only when the norm does; merged
   small leaves as pairs, as for ``p = 2``.
