@@ -151,6 +151,8 @@ def _runs(orders: list[np.ndarray]) -> list[tuple[int, int, int]]:
   units are consecutive, in unit order."""
   runs = []
   for k, order in enumerate(orders):
+    if not order.size:  # a group of empty leaves: no units
+      continue
     cuts = np.flatnonzero(np.diff(order) != 1) + 1
     runs += [(int(order[a]), k, int(a), int(b))
              for a, b in zip([0, *cuts], [*cuts, order.size])]

@@ -43,12 +43,20 @@ def nonzero_bits(y: jax.Array) -> jax.Array:
   return (bits >= (1 << info.nmant)) | ((bits & ((1 << info.nmant) - 1)) != 0)
 
 
+def _common(a: Any, b: Any) -> tuple[jax.Array, jax.Array]:
+  """``a`` and ``b`` in their common float type (bits of two widths do not
+  compare)."""
+  dtype = jnp.result_type(a, b)
+  return jnp.asarray(a, dtype), jnp.asarray(b, dtype)
+
+
 def at_most(a: jax.Array, b: jax.Array) -> jax.Array:
   """``a <= b`` for ``a, b >= 0`` (False where either is NaN), compared as
   bits: a float comparison reads a subnormal as 0 where hardware flushes
   them (a norm of 3e-45 is then "at most" 0). Against 0 through
   ``nonzero_bits``: LLVM folds a comparison of all the bits with a
   constant 0 back into a float one."""
+  a, b = _common(a, b)
   ordered = jnp.where(nonzero_bits(b), magnitude_bits(a) <= magnitude_bits(b),
                       ~nonzero_bits(a))
   return ordered & (a == a) & (b == b)
@@ -57,6 +65,7 @@ def at_most(a: jax.Array, b: jax.Array) -> jax.Array:
 def below(a: jax.Array, b: jax.Array) -> jax.Array:
   """``a < b`` for ``a, b >= 0`` (False where either is NaN), as bits (a
   constant 0 as in ``at_most``)."""
+  a, b = _common(a, b)
   ordered = jnp.where(nonzero_bits(a), magnitude_bits(a) < magnitude_bits(b),
                       nonzero_bits(b))
   return ordered & (a == a) & (b == b)
