@@ -359,12 +359,13 @@ def test_a_subnormal_norm_is_compared_and_divided_alike_everywhere(kernel, monke
     def clip(grads, rows, tx=tx, max_norm=max_norm):
       _, state = tx.update(grads, tx.init(grads))
       _, clipped, _ = F.per_example_clip_by_global_norm(rows, max_norm)
-      return state, clipped
+      return state, clipped, _skipped(grads["w"], max_norm, 2.0)
 
     for run in (clip, jax.jit(clip)):
-      state, clipped = run(grads, rows)
+      state, clipped, skipped = run(grads, rows)
       shown = f"max_norm {max_norm}, {'jit' if run is not clip else 'eager'}"
       assert float(state.norm) == 2 * SUBNORMAL, shown
       assert float(state.scale) == factor, shown
       assert int(state.clipped_count) == int(factor < 1), shown
       assert int(clipped) == 3 * int(factor < 1), shown
+      assert int(skipped) == int(factor < 1), shown  # skip_step(max_norm=...)
