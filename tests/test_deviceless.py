@@ -238,6 +238,23 @@ def test_global_norm_reads_each_leaf_once(name, target):
   assert ours.passes <= theirs.passes * (1 + TOLERANCE), shown
 
 
+def test_unit_norms_read_each_leaf_once():
+  # AGC's units (optax's: a matrix's columns, a 3-D leaf's axis 0), each
+  # leaf's norms broadcast to it as optax.transforms.unitwise_norm gives
+  # them. XLA:GPU wrote Blue's three sibling column sums out and read them
+  # again (7.35 passes, two readers of a leaf); what may remain above
+  # optax's is the norms of units of a few entries written once (2.82).
+  target = "h100"
+  grads = dl.specs(model(), target)
+  ours = dl.compile(lambda g: jax.tree.map(F.unitwise_norm, g), (grads,))
+  theirs = dl.compile(lambda g: jax.tree.map(optax.transforms.unitwise_norm, g), (grads,))
+  shown = _show("unitwise_norm of every leaf", target, ours, theirs)
+  print(shown)
+  assert ours.conditionals == 0, shown
+  assert set(ours.readers) == {1}, f"readers per leaf {ours.readers}: {shown}"
+  assert ours.passes <= theirs.passes + 1.0, shown
+
+
 # --------------------------------------------------------------------------
 # The clip and the guards inside AdamW's step: one more read at most
 
