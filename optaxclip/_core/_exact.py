@@ -63,12 +63,9 @@ def at_most(a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def below(a: jax.Array, b: jax.Array) -> jax.Array:
-  """``a < b`` for ``a, b >= 0`` (False where either is NaN), as bits (a
-  constant 0 as in ``at_most``)."""
+  """``a < b`` for ``a, b >= 0`` (False where either is NaN), as bits."""
   a, b = _common(a, b)
-  ordered = jnp.where(nonzero_bits(a), magnitude_bits(a) < magnitude_bits(b),
-                      nonzero_bits(b))
-  return ordered & (a == a) & (b == b)
+  return ~at_most(b, a) & (a == a) & (b == b)
 
 
 def quotient(a: jax.Array, b: jax.Array) -> jax.Array:
