@@ -22,8 +22,11 @@ import optax
 from jax.sharding import AxisType, NamedSharding
 
 # Whether this run sends every norm through the GPU/TPU kernel on the CPU
-# (``make test`` runs the numerics tests once more that way).
-ONE_PASS = os.environ.get("OPTAXCLIP_KERNEL") == "one_pass"
+# (``make test`` runs the numerics tests once more that way, with the
+# leaves grouped as on a TPU: ``one_pass_tpu``), and with which grouping:
+# the CPU's (``one_pass``) or a platform's.
+KERNEL = os.environ.get("OPTAXCLIP_KERNEL", "auto")
+ONE_PASS = KERNEL.startswith("one_pass")
 
 # --------------------------------------------------------------------------
 # float64 references

@@ -33,6 +33,9 @@ import optaxclip as oc
 
 F = oc.functional
 KERNELS = ("rescue", "one_pass")
+# The one-pass kernel with the leaves grouped as on a GPU (merged) and on a
+# TPU (leaves of one shape added entry by entry), run here.
+LAYOUTS = ("one_pass_gpu", "one_pass_tpu")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 # 1 and 2: the one-pass kernel's own sums; 0.5, 2.5, 3: its pairs; 130:
 # above the pairs' limit (120); inf: a maximum.
@@ -72,10 +75,13 @@ def _loss_scaled(row, max_norm):
 
 
 def _norms(p):
-  """The rows' norms as totals (``global_norm`` of each row) and as units
+  """The rows' norms as totals (``global_norm`` of each row, and of each
+  row cut in three leaves of one shape: a group of leaves) and as units
   (per-layer norms of the stacked rows), in one compiled program."""
   def run(rows):
+    thirds = lambda v: [v[..., :4], v[..., 4:8], v[..., 8:]]  # noqa: E731
     return {"global_norm": jax.vmap(lambda v: F.global_norm(v, ord=p))(rows),
+            "global_norm, 3 leaves": jax.vmap(lambda v: F.global_norm(thirds(v), ord=p))(rows),
             "per_layer": _layer_norms(rows, p, layer_axis=0)}
   return jax.jit(run)
 
@@ -94,7 +100,7 @@ def _views(p):
   return jax.jit(run)
 
 
-NORMS = {(kernel, p): _norms(p) for kernel in KERNELS for p in ORDERS}
+NORMS = {(kernel, p): _norms(p) for kernel in KERNELS + LAYOUTS for p in ORDERS}
 VIEWS = {kernel: _views(2.0) for kernel in KERNELS}
 
 
@@ -165,9 +171,9 @@ F64_ORDERS = (1.0, 2.0, 2.5, math.inf)
 
 @pytest.mark.parametrize("p", ORDERS, ids=lambda p: f"p={p}")
 @pytest.mark.parametrize("acc", ["float32", "float64"])
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", KERNELS + LAYOUTS)
 def test_norms_and_layer_norms_at_every_threshold(kernel, acc, p, monkeypatch):
-  if p == math.inf and kernel == "one_pass":
+  if p == math.inf and kernel != "rescue":
     pytest.skip("a maximum: one kernel for both (the rescue's plain max)")
   if acc == "float64" and p not in F64_ORDERS:
     pytest.skip("float64: one order of each path")

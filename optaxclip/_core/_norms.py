@@ -29,7 +29,9 @@ from optaxclip._core._one_pass import norms_one_pass
 from optaxclip._core._sums import is_order, norms_of, rescue_enabled
 from optaxclip._core._tangents import norm_tangents
 
-KERNELS = ("auto", "rescue", "one_pass")
+KERNELS = ("auto", "rescue", "one_pass", "one_pass_gpu", "one_pass_tpu")
+# The layout each platform's one-pass kernel groups leaves by.
+_LAYOUTS = {"cpu": CPU, "tpu": TPU}
 
 
 def kernel() -> str:
@@ -41,9 +43,12 @@ def kernel() -> str:
   taken costs nothing; the one-pass kernel (``_one_pass``) on GPU and TPU,
   where XLA would turn that ``lax.cond`` into a select that runs both
   sides. ``rescue`` or ``one_pass`` runs that kernel everywhere: the tests
-  run their numbers through the GPU/TPU kernel on the CPU this way. Read
-  each time a norm is called (a compiled norm is kept per kernel; a
-  program the user compiled keeps the kernel it was traced with).
+  run their numbers through the GPU/TPU kernel on the CPU this way.
+  ``one_pass_gpu`` and ``one_pass_tpu`` run it with the leaves grouped as
+  on that platform (``_batching.GPU``, ``TPU``), to test those numbers
+  here. Read each time a norm is called (a compiled norm is kept per
+  kernel; a program the user compiled keeps the kernel it was traced
+  with).
   """
   choice = os.environ.get("OPTAXCLIP_KERNEL", "auto")
   if choice not in KERNELS:
@@ -74,13 +79,16 @@ def _norms_by_platform(leaves, grouped: Callable[[Layout | None], Grouped],
   the leaves grouped as suits its platform: the same numbers within the
   accuracy contract, each the same on every platform."""
   target = _target_platform(leaves)
+  if choice.startswith("one_pass_"):  # a platform's layout, wherever it runs
+    target = choice.removeprefix("one_pass_")
   if is_order(p, math.inf) or not rescue_enabled() or choice == "rescue" or (
       choice == "auto" and target == "cpu"):
     # A maximum (or the plain sums) needs no rescue.
     return norms_of(grouped(CPU), p, acc, reduction, total=total,
                     divisor=divisor)
-  # Layouts differ by platform; numbers only within the contract.
-  layout = TPU if target == "tpu" else GPU if target != "cpu" else CPU
+  # Layouts differ by platform (a GPU's: "cuda", "rocm"); numbers only
+  # within the contract.
+  layout = _LAYOUTS.get(target, GPU)
   return norms_one_pass(grouped(layout), p, acc, reduction, total=total,
                         divisor=divisor)
 

@@ -284,12 +284,16 @@ def norms_one_pass(grouped: Grouped, p: Any, acc, reduction: Reduction, *,
   layout = grouped.layout
   assert layout is not None, "the one-pass kernel groups by a platform's layout"
   block = layout.block
-  complex_leaves = any(jnp.iscomplexobj(group.values) for group in grouped.groups)
+  complex_leaves = grouped.complex
 
   def small(x: jax.Array, group: Group) -> bool:
     # A merged group, or a small leaf off any mesh: one reduction of its
     # bits (sharded ``jit`` would gather a leaf for it; XLA:GPU writes the
-    # terms of sibling sums of a leaf up to ~2**18 entries out).
+    # terms of sibling sums of a leaf up to ~2**18 entries out). Never
+    # where leaves of one shape are summed (XLA:TPU): sums add entry by
+    # entry, and XLA:TPU compiles reductions of bits slower.
+    if layout.summed:
+      return False
     return group.units is None or (x.size <= layout.limit and not _split(x))
 
   if is_order(p, 2):
@@ -311,7 +315,7 @@ def norms_one_pass(grouped: Grouped, p: Any, acc, reduction: Reduction, *,
           _blue_norms(reducer(out, axis), divisor),))[0]
     return _blue_norms(reduce_many(grouped, two, reduction, total=total,
                                    reducer=reducer), divisor)
-  on_a_mesh = any(_split(group.values) for group in grouped.groups)
+  on_a_mesh = any(_split(x) for x in grouped.leaves)
   if is_order(p, 1) and not complex_leaves:
     def one(x, group):
       if total and small(x, group):
@@ -321,7 +325,7 @@ def norms_one_pass(grouped: Grouped, p: Any, acc, reduction: Reduction, *,
                       divisor)
   if (not isinstance(p, jax.Array) and p <= _PAIR_ORDER_LIMIT
       and not complex_leaves and not on_a_mesh):
-    return _pair_norms(grouped, p, acc, reduction, total=total,
+    return _pair_norms(grouped.unsummed(), p, acc, reduction, total=total,
                        divisor=divisor, block=block)
   # Orders this high, traced (a reduction may not close over one), complex
   # leaves (|x| of subnormal parts), leaves on a mesh: the largest |x|

@@ -240,8 +240,7 @@ def norms_of(grouped: Grouped, p, acc, reduction: Reduction, *,
   rescue only where they fail. With ``divisor`` (one per unit), each norm
   divided by it before any rescaling: an RMS stays finite where the norm
   itself would overflow."""
-  if is_order(p, math.inf) and not any(
-      jnp.iscomplexobj(group.values) for group in grouped.groups):
+  if is_order(p, math.inf) and not grouped.complex:
     # A maximum neither overflows nor underflows; a subnormal one is read
     # from its bits (a float maximum reads it as 0 where subnormals flush).
     offset = 2 ** jnp.finfo(acc).nmant
