@@ -147,7 +147,7 @@ def _plan(leaves: Sequence[jax.Array], keep: Sequence[Keep], *,
   plan = []
   for key, all_rows in by_key.items():
     how = key[0] if isinstance(key, tuple) and key[0] in (MERGED, SUMMED) else STACKED
-    size = GROUP_SIZE if how == STACKED else merge.size  # type: ignore[union-attr]
+    size = GROUP_SIZE if how == STACKED or merge is None else merge.size
     plan += [(how, all_rows[start:start + size])  # in order
              for start in range(0, len(all_rows), size)]
   return plan
