@@ -81,14 +81,18 @@ def _norms_by_platform(leaves, grouped: Callable[[Layout | None], Grouped],
   target = _target_platform(leaves)
   if choice.startswith("one_pass_"):  # a platform's layout, wherever it runs
     target = choice.removeprefix("one_pass_")
-  if is_order(p, math.inf) or not rescue_enabled() or choice == "rescue" or (
-      choice == "auto" and target == "cpu"):
-    # A maximum (or the plain sums) needs no rescue.
-    return norms_of(grouped(CPU), p, acc, reduction, total=total,
-                    divisor=divisor)
   # Layouts differ by platform (a GPU's: "cuda", "rocm"); numbers only
   # within the contract.
   layout = _LAYOUTS.get(target, GPU)
+  if not rescue_enabled() or choice == "rescue" or (
+      choice == "auto" and target == "cpu"):
+    return norms_of(grouped(CPU), p, acc, reduction, total=total,
+                    divisor=divisor)
+  if is_order(p, math.inf):
+    # A maximum needs no rescue: the plain one, over the platform's groups
+    # (the CPU's would concatenate 256 small leaves: a copy on GPU and TPU).
+    return norms_of(grouped(layout), p, acc, reduction, total=total,
+                    divisor=divisor)
   return norms_one_pass(grouped(layout), p, acc, reduction, total=total,
                         divisor=divisor)
 
