@@ -348,10 +348,12 @@ def lora(layers: int = 10, d: int = 4096, f: int = 11008, rank: int = 16) -> dic
 # summed); on the TPU only the small tree (its LoRA programs compile for a
 # minute: the benchmark's).
 SMALL_TREES = {"150 small leaves": small_leaves, "LoRA, 48 layers": lambda: lora(48)}
-SMALL_NORMS = [("150 small leaves", "h100", 2), ("LoRA, 48 layers", "h100", 2),
-               ("150 small leaves", "tpu_v5e", 2),
-               # a maximum (the plain one): over the platform's groups
-               ("150 small leaves", "h100", INF), ("150 small leaves", "tpu_v5e", INF)]
+SMALL_NORMS = [("150 small leaves", "h100", "norm"), ("LoRA, 48 layers", "h100", "norm"),
+               ("150 small leaves", "tpu_v5e", "norm"),
+               # a maximum (the plain one) and the finiteness check of
+               # dynamic_loss_scale: over the platform's groups too
+               *[("150 small leaves", target, what) for target in ("h100", "tpu_v5e")
+                 for what in ("inf norm", "all_finite")]]
 SMALL_STEPS = [("LoRA, 48 layers", "h100"), ("150 small leaves", "tpu_v5e")]
 LEAVES_PER_FUSION = 30
 SMALL_PASSES = 1.05
@@ -363,27 +365,28 @@ def small_programs(tree: str, target: str) -> dict[str, dl.Program]:
   g = dl.specs(grads, target)
   programs = {"norm": dl.compile(F.global_norm, (g,)),
               "optax norm": dl.compile(optax.tree.norm, (g,))}
-  if (tree, target, INF) in SMALL_NORMS:
+  if (tree, target, "inf norm") in SMALL_NORMS:
     programs.update({
         "inf norm": dl.compile(functools.partial(F.global_norm, ord=INF), (g,)),
-        "optax inf norm": dl.compile(functools.partial(optax.tree.norm, ord=INF), (g,))})
+        "optax inf norm": dl.compile(functools.partial(optax.tree.norm, ord=INF), (g,)),
+        "all_finite": dl.compile(F.all_finite, (g,))})
   if (tree, target) in SMALL_STEPS:
     programs.update({"clip + adamw": _step_program(_clipped(), target, grads),
                      "adamw": _step_program(_adamw(), target, grads)})
   return programs
 
 
-@pytest.mark.parametrize("tree, target, ord", SMALL_NORMS)
-def test_small_leaves_norm_in_a_handful_of_kernels(tree, target, ord):
+@pytest.mark.parametrize("tree, target, what", SMALL_NORMS)
+def test_small_leaves_norm_in_a_handful_of_kernels(tree, target, what):
   programs = small_programs(tree, target)
-  which = "norm" if ord == 2 else "inf norm"
-  ours, theirs = programs[which], programs[f"optax {which}"]
+  ours = programs[what]
+  theirs = programs["optax norm" if what == "norm" else "optax inf norm"]
   leaves = len(ours.readers)
-  shown = _show(f"global norm (ord {ord}) of {tree} ({leaves} leaves)", target, ours, theirs)
+  shown = _show(f"{what} of {tree} ({leaves} leaves)", target, ours, theirs)
   print(shown)
-  # The maximum: each group of 64 merged leaves one reduction, which XLA:GPU
+  # A maximum: each group of 64 merged leaves one reduction, which XLA:GPU
   # splits in two kernels (the 2-norm's rows are its own: _exponent_sums).
-  most = (math.ceil(leaves / LEAVES_PER_FUSION) if ord == 2
+  most = (math.ceil(leaves / LEAVES_PER_FUSION) if what == "norm"
           else 2 * math.ceil(leaves / 64) + 1)
   assert ours.conditionals == 0, shown
   assert ours.fusions <= most, shown

@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 
 from optaxclip import _tree, _validation
-from optaxclip._core._batching import Grouped, example_rows
+from optaxclip._core._batching import Grouped, example_rows, reduce
 from optaxclip._core._kept import TOTAL, Kept
 from optaxclip._core._mesh import (
   HERE,
@@ -34,7 +34,7 @@ from optaxclip._core._mesh import (
   whole_shapes,
   without_leading_axis,
 )
-from optaxclip._core._norms import norm_of_leaves, unit_norms, unit_rms
+from optaxclip._core._norms import layout_for, norm_of_leaves, unit_norms, unit_rms
 from optaxclip._core._sums import is_order, power, safe_root
 from optaxclip._types import AxisName, Ord, PyTree, Scalar
 
@@ -398,9 +398,11 @@ def all_finite(tree: PyTree, *, axis_name: AxisName = None) -> jax.Array:
   leaves = _tree.clippable_leaves(tree)
   if not leaves:
     return jnp.bool_(True)
-  grouped = Grouped(leaves)
-  local = jnp.all(grouped.per_unit(grouped.groups,
-                                   lambda x, _: jnp.isfinite(x), jnp.all))
+  # Whether any entry is NaN or infinite: a total, its leaves grouped as the
+  # platform groups a norm's (a stack would be a copy on a TPU).
+  grouped = Grouped(leaves, layout=layout_for(leaves), merge=True)
+  local = ~reduce(grouped, lambda x, _: ~jnp.isfinite(x), LOCAL, maximum=True,
+                  total=True, initial=False)
   if not where.axis_names:
     return local
   return lax.pmin(local.astype(jnp.int32), where.axis_names).astype(jnp.bool_)

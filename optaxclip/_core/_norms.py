@@ -72,17 +72,28 @@ def _target_platform(leaves) -> str:
   return device.platform if device is not None else jax.default_backend()
 
 
+def _platform(leaves, choice: str) -> str:
+  """The platform whose groups of leaves a norm takes: the one it is traced
+  for, or the one ``choice`` names (``one_pass_gpu``, ``one_pass_tpu``)."""
+  if choice.startswith("one_pass_"):
+    return choice.removeprefix("one_pass_")
+  return _target_platform(leaves)
+
+
+def layout_for(leaves) -> Layout:
+  """How the platform ``leaves`` are traced for groups them for a total
+  (a GPU's: any platform but "cpu" and "tpu", as "cuda" or "rocm")."""
+  return _LAYOUTS.get(_platform(leaves, kernel()), GPU)
+
+
 def _norms_by_platform(leaves, grouped: Callable[[Layout | None], Grouped],
                        p, acc, reduction: Reduction, choice: str, *,
                        total: bool, divisor=None) -> jax.Array:
   """The norms from the kernel ``choice`` names (``kernel()``), each over
   the leaves grouped as suits its platform: the same numbers within the
   accuracy contract, each the same on every platform."""
-  target = _target_platform(leaves)
-  if choice.startswith("one_pass_"):  # a platform's layout, wherever it runs
-    target = choice.removeprefix("one_pass_")
-  # Layouts differ by platform (a GPU's: "cuda", "rocm"); numbers only
-  # within the contract.
+  target = _platform(leaves, choice)
+  # Layouts differ by platform; numbers only within the contract.
   layout = _LAYOUTS.get(target, GPU)
   if not rescue_enabled() or choice == "rescue" or (
       choice == "auto" and target == "cpu"):
