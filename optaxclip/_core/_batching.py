@@ -134,19 +134,18 @@ STACKED, MERGED, SUMMED = "stacked", "merged", "summed"
 def _plan(leaves: Sequence[jax.Array], keep: Sequence[Keep], *,
           merge: Layout | None) -> list[tuple[str, list[int]]]:
   """Which leaves go together, and how: ``(how, leaf indices)`` per group."""
-  by_key: dict[Any, list[int]] = {}
+  by_key: dict[tuple, list[int]] = {}  # keyed by how, then what they share
   for i, (x, kept) in enumerate(zip(leaves, keep)):
     layout = _stacking_layout(x)
     if merge is not None and layout == () and x.size <= merge.limit:
       key = (SUMMED, x.shape, x.dtype) if merge.summed else (MERGED, x.dtype)
     elif x.size > GROUP_LIMIT or layout is None:
-      key = i
+      key = (STACKED, i)  # alone
     else:
-      key = (x.shape, x.dtype, layout, kept)
+      key = (STACKED, x.shape, x.dtype, layout, kept)
     by_key.setdefault(key, []).append(i)
   plan = []
-  for key, all_rows in by_key.items():
-    how = key[0] if isinstance(key, tuple) and key[0] in (MERGED, SUMMED) else STACKED
+  for (how, *_), all_rows in by_key.items():
     size = GROUP_SIZE if how == STACKED or merge is None else merge.size
     plan += [(how, all_rows[start:start + size])  # in order
              for start in range(0, len(all_rows), size)]

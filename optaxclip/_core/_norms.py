@@ -80,10 +80,15 @@ def _platform(leaves, choice: str) -> str:
   return _target_platform(leaves)
 
 
+def _layout_of(platform: str) -> Layout:
+  """How ``platform`` groups leaves (a GPU's: any platform but "cpu" and
+  "tpu", as "cuda" or "rocm")."""
+  return _LAYOUTS.get(platform, GPU)
+
+
 def layout_for(leaves) -> Layout:
-  """How the platform ``leaves`` are traced for groups them for a total
-  (a GPU's: any platform but "cpu" and "tpu", as "cuda" or "rocm")."""
-  return _LAYOUTS.get(_platform(leaves, kernel()), GPU)
+  """How the platform ``leaves`` are traced for groups them for a total."""
+  return _layout_of(_platform(leaves, kernel()))
 
 
 def _norms_by_platform(leaves, grouped: Callable[[Layout | None], Grouped],
@@ -94,7 +99,7 @@ def _norms_by_platform(leaves, grouped: Callable[[Layout | None], Grouped],
   accuracy contract, each the same on every platform."""
   target = _platform(leaves, choice)
   # Layouts differ by platform; numbers only within the contract.
-  layout = _LAYOUTS.get(target, GPU)
+  layout = _layout_of(target)
   if not rescue_enabled() or choice == "rescue" or (
       choice == "auto" and target == "cpu"):
     return norms_of(grouped(CPU), p, acc, reduction, total=total,

@@ -284,7 +284,6 @@ def norms_one_pass(grouped: Grouped, p: Any, acc, reduction: Reduction, *,
   layout = grouped.layout
   assert layout is not None, "the one-pass kernel groups by a platform's layout"
   block = layout.block
-  complex_leaves = grouped.complex
 
   def small(x: jax.Array, group: Group) -> bool:
     # A merged group, or a small leaf off any mesh: one reduction of its
@@ -316,7 +315,7 @@ def norms_one_pass(grouped: Grouped, p: Any, acc, reduction: Reduction, *,
     return _blue_norms(reduce_many(grouped, two, reduction, total=total,
                                    reducer=reducer), divisor)
   on_a_mesh = any(_split(x) for x in grouped.leaves)
-  if is_order(p, 1) and not complex_leaves:
+  if is_order(p, 1) and not grouped.complex:
     def one(x, group):
       if total and small(x, group):
         return one_norm_partials(x, acc, _Blue.of(acc).tiny, block=block)
@@ -324,7 +323,7 @@ def norms_one_pass(grouped: Grouped, p: Any, acc, reduction: Reduction, *,
     return _one_norms(reduce_many(grouped, one, reduction, total=total),
                       divisor)
   if (not isinstance(p, jax.Array) and p <= _PAIR_ORDER_LIMIT
-      and not complex_leaves and not on_a_mesh):
+      and not grouped.complex and not on_a_mesh):
     return _pair_norms(grouped.unsummed(), p, acc, reduction, total=total,
                        divisor=divisor, block=block)
   # Orders this high, traced (a reduction may not close over one), complex
