@@ -2,9 +2,11 @@
 
 JAX runs XLA:GPU's and XLA:TPU's whole optimizing compiler without a device
 (deviceless ahead-of-time compilation): ``compiled.as_text()`` is the
-program the accelerator would run, after fusion. This module is the one
-place that touches the private or unstable APIs this needs (the topology
-calls, the generic cost analysis, the text of the optimized HLO); when jax
+program the accelerator would run, after fusion; ``on_cpu`` runs that
+program here, to check the numbers of what XLA:GPU and XLA:TPU folded.
+This module is the one place that touches the private or unstable APIs
+this needs (the topology calls, the generic cost analysis, the text of the
+optimized HLO, its conversion for XLA:CPU); when jax
 changes, ``test_deviceless.py::test_the_deviceless_helper_still_answers``
 says which of them to update here.
 
@@ -34,8 +36,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 INSTALL = ("install them with `make install-test`, or `python tests/deviceless.py > req.txt "
            "&& pip install -r req.txt` (the versions this jaxlib takes)")
 UPDATE = ("update tests/deviceless.py for this jax (the topology calls, "
-          "jax._src.lib._jax.hlo_module_cost_analysis, the optimized HLO's text: "
-          "gpu/DEVICELESS.md has what each does)")
+          "jax._src.lib._jax.hlo_module_cost_analysis, the optimized HLO's text, and "
+          "on_cpu's xla_client.hlo.hlo_module_from_text, _jax.mlir.hlo_to_stablehlo, "
+          "Client.compile_and_load: gpu/DEVICELESS.md has what the first three do)")
 
 # XLA's GPU target config of an H100 SXM (openxla/xla,
 # xla/tools/hlo_opt/gpu_specs/h100_sxm.txtpb), as the topology call takes it.
@@ -261,6 +264,62 @@ def _readers(entry: list[str], name: str) -> set[str]:
     elif op[1] != "tuple":
       found.add(lhs)
   return found
+
+
+# What XLA:CPU cannot take in an accelerator's optimized program, rewritten
+# (`on_cpu`): a layout's tiles and memory space (TPU), the scalar layout of
+# the entry's signature, a bitcast between layouts or element types, a
+# fusion, a prefetch copy's start and end (TPU).
+_TILES = re.compile(r"(\{[\d,]*):[^}]*\}")
+_DEFINED = re.compile(r"\s*(?:ROOT )?(%\S+) = (\w+)\[")
+_BITCAST = re.compile(r"(\s*(?:ROOT )?%\S+ = (\w+)\[[^\]]*\]\S*) bitcast\((%[^)]+)\)")
+_FUSION = re.compile(r" fusion\((.*?)\), kind=k\w+, calls=(%[\w.-]+)")
+_COPY_START = re.compile(r"\s*(%\S+) = .* copy-start\((%[^)]+)\)")
+_COPY_DONE = re.compile(r"(\s*(?:ROOT )?%\S+ = \S+) copy-done\((%[^)]+)\)")
+
+
+def _for_the_cpu(text: str) -> str:
+  """`text` (an optimized GPU/TPU module) as XLA:CPU parses and runs it:
+  the same computation, each fusion a call of its fused computation. A
+  bitcast becomes a reshape, which reads entries in row-major order where
+  the accelerator's layout may not: only programs whose results do not
+  depend on the order of a reshape's entries (sums over whole leaves, their
+  own units) are run so."""
+  element, starts, lines = {}, {}, []
+  for line in text.splitlines():
+    line = _TILES.sub(r"\1}", line).replace("[]{}", "[]")
+    if (defined := _DEFINED.match(line)):
+      element[defined[1]] = defined[2]
+    if (start := _COPY_START.match(line)):
+      starts[start[1]] = start[2]
+      continue
+    if (done := _COPY_DONE.match(line)):
+      line = f"{done[1]} copy({starts[done[2]]}){line[done.end():]}"
+    if (cast := _BITCAST.match(line)):
+      op = "bitcast-convert" if element.get(cast[3], cast[2]) != cast[2] else "reshape"
+      line = f"{cast[1]} {op}({cast[3]}){line[cast.end():]}"
+    lines.append(_FUSION.sub(r" call(\1), to_apply=\2", line))
+  return "\n".join(lines)
+
+
+def on_cpu(program: Program, fn: Callable[..., Any], args: tuple[Any, ...]
+           ) -> Callable[..., Any]:
+  """`program` (`compile(fn, args)` for an accelerator) compiled for this
+  CPU, to run: it takes arrays shaped as `args` and returns `fn`'s result.
+  XLA:CPU optimizes the program again, but what XLA:GPU or XLA:TPU folded
+  and rewrote stays folded and rewritten; it computes with the CPU's
+  arithmetic (subnormals flushed, as on a TPU; a GPU keeps them)."""
+  from jax._src.lib import _jax, xla_client  # private: gpu/DEVICELESS.md
+  module = xla_client.hlo.hlo_module_from_text(_for_the_cpu(program.text))
+  stablehlo = _jax.mlir.hlo_to_stablehlo(module.as_serialized_hlo_module_proto())
+  cpu = jax.devices("cpu")[:1]
+  executable = cpu[0].client.compile_and_load(stablehlo, cpu, xla_client.CompileOptions())
+  out_tree = jax.tree.structure(jax.eval_shape(fn, *args))
+
+  def run(*values):
+    flat = [jax.device_put(np.asarray(v), cpu[0]) for v in jax.tree.leaves(values)]
+    return jax.tree.unflatten(out_tree, executable.execute(flat))
+  return run
 
 
 def requirements() -> list[str]:

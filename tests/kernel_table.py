@@ -16,6 +16,7 @@ by a power of two (exact), its powers summed in 80-bit extended precision.
 
 import itertools
 import math
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -139,3 +140,71 @@ def plain_sums_suffice(rows: np.ndarray, p: float, entries: int) -> np.ndarray:
   logs = log2_power_sum(rows, p)
   floor = math.log2(float(info.tiny) / float(info.eps) * entries)
   return normal & (logs > floor + 2) & (logs < info.maxexp - 2)
+
+
+# Rounding allowed, in units of the accumulation type's epsilon: a dozen
+# terms summed, a root, a division (measured: at most 3).
+ULPS = 8
+
+
+def close(got, want, acc, ulps=ULPS) -> np.ndarray:
+  """Where ``got`` is within ``ulps`` epsilons of ``want`` rounded to
+  ``acc`` (inf where it overflows, or where it is that close to overflowing),
+  or one subnormal step."""
+  info = np.finfo(acc)
+  got = np.asarray(got, np.float64)
+  with np.errstate(over="ignore"):
+    want = np.asarray(want, np.float64).astype(acc).astype(np.float64)
+  bound = ulps * float(info.eps) * np.abs(want) + float(info.smallest_subnormal)
+  with np.errstate(invalid="ignore", over="ignore"):
+    top = (got == np.inf) & (want + bound > float(info.max))
+    return (got == want) | (np.abs(got - want) <= bound) | top
+
+
+def report(rows, got, want, ok, what) -> str:
+  bad = np.flatnonzero(~ok)[:5]
+  return (f"{what}: {np.sum(~ok)} of {ok.size} rows off, e.g. " + "; ".join(
+      f"{rows[i].astype(np.float64).tolist()} -> {float(got[i])!r}, "
+      f"exact {float(want[i])!r}" for i in bad))
+
+
+def narrow_rows() -> np.ndarray:
+  """The float32, bfloat16 and float16 tables, widened to float32 (exactly):
+  the one kernel that accumulates all three in float32 reads them all in
+  one batch (the widening inside it: ``test_every_dtype_reads_...``)."""
+  return np.concatenate([table(jnp.dtype(name)).astype(np.float32)
+                         for name in ("float32", "bfloat16", "float16")])
+
+
+# What the compiled programs must not hold: a multiplication by a constant 0
+
+_INSTRUCTION = re.compile(r"%(\S+) = (\w+)\[[^\]]*\]\S* ([\w-]+)\(([^)]*)\)")
+_SMALLEST_NORMAL = {"f32": 2.0 ** -126, "bf16": 2.0 ** -126, "f16": 2.0 ** -14,
+                    "f64": 2.0 ** -1022}
+
+
+def zero_multiplies(hlo: str | None) -> list[str]:
+  """The multiplications, in compiled HLO text, by a float constant that is
+  0 or subnormal (hardware that flushes subnormals reads one as 0), or by
+  a broadcast of one: what XLA leaves of a product of constants that fell
+  out of the float range (``x * 2**-76 * 2**-76`` in float32)."""
+  zeros, found = set(), []
+  for line in (hlo or "").splitlines():
+    match = _INSTRUCTION.search(line)
+    if not match:
+      continue
+    name, dtype, op, args = match.groups()
+    operands = re.findall(r"%([\w.\-]+)", args)
+    if op == "constant" and dtype in _SMALLEST_NORMAL:
+      try:
+        value = float(args)
+      except ValueError:
+        continue  # an array constant
+      if abs(value) < _SMALLEST_NORMAL[dtype]:
+        zeros.add(name)
+    elif op in ("broadcast", "copy", "bitcast", "reshape", "convert") and (
+        operands and operands[0] in zeros):
+      zeros.add(name)
+    elif op == "multiply" and any(o in zeros for o in operands):
+      found.append(line.strip())
+  return found

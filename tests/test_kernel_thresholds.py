@@ -19,7 +19,6 @@ the compiled programs' constants are checked at the end.
 """
 
 import math
-import re
 from typing import Any, cast
 
 import jax
@@ -27,7 +26,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from kernel_table import accumulation, plain_sums_suffice, reference, table
+from kernel_table import (
+  ULPS,
+  accumulation,
+  close,
+  narrow_rows,
+  plain_sums_suffice,
+  reference,
+  report,
+  table,
+  zero_multiplies,
+)
 
 import optaxclip as oc
 
@@ -40,9 +49,6 @@ DTYPES = ("float32", "bfloat16", "float16", "float64")
 # 1 and 2: the one-pass kernel's own sums; 0.5, 2.5, 3: its pairs; 130:
 # above the pairs' limit (120); inf: a maximum.
 ORDERS = (1.0, 2.0, 0.5, 2.5, 3.0, 130.0, math.inf)
-# Rounding allowed, in units of the accumulation type's epsilon: a dozen
-# terms summed, a root, a division (measured: at most 3).
-ULPS = 8
 
 
 def _dtype(name):
@@ -104,27 +110,6 @@ NORMS = {(kernel, p): _norms(p) for kernel in KERNELS + LAYOUTS for p in ORDERS}
 VIEWS = {kernel: _views(2.0) for kernel in KERNELS}
 
 
-def _close(got, want, acc, ulps=ULPS) -> np.ndarray:
-  """Where ``got`` is within ``ulps`` epsilons of ``want`` rounded to
-  ``acc`` (inf where it overflows, or where it is that close to overflowing),
-  or one subnormal step."""
-  info = np.finfo(acc)
-  got = np.asarray(got, np.float64)
-  with np.errstate(over="ignore"):
-    want = np.asarray(want, np.float64).astype(acc).astype(np.float64)
-  bound = ulps * float(info.eps) * np.abs(want) + float(info.smallest_subnormal)
-  with np.errstate(invalid="ignore", over="ignore"):
-    top = (got == np.inf) & (want + bound > float(info.max))
-    return (got == want) | (np.abs(got - want) <= bound) | top
-
-
-def _report(rows, got, want, ok, what) -> str:
-  bad = np.flatnonzero(~ok)[:5]
-  return (f"{what}: {np.sum(~ok)} of {ok.size} rows off, e.g. " + "; ".join(
-      f"{rows[i].astype(np.float64).tolist()} -> {float(got[i])!r}, "
-      f"exact {float(want[i])!r}" for i in bad))
-
-
 def _ulp(values: np.ndarray, dtype) -> np.ndarray:
   """One unit in the last place of each of ``values`` in ``dtype``."""
   info = jnp.finfo(dtype)
@@ -141,7 +126,7 @@ def _check_scaled(rows, got, factor, dtype, acc, what):
   bound = _ulp(want, dtype) + ULPS * float(np.finfo(acc).eps) * np.abs(want)
   flushed = (np.abs(want) < float(info.tiny)) & (got == 0)
   ok = np.all((np.abs(got - want) <= bound) | flushed, axis=1)
-  assert ok.all(), _report(rows, got[:, 0], want[:, 0], ok, what)
+  assert ok.all(), report(rows, got[:, 0], want[:, 0], ok, what)
 
 
 def _batches(rows, p, dtype):
@@ -156,15 +141,7 @@ def _batches(rows, p, dtype):
   return [rows, padded.astype(dtype)]
 
 
-def _narrow_rows():
-  """The float32, bfloat16 and float16 tables, widened to float32 (exactly):
-  the one kernel that accumulates all three in float32 reads them all in
-  one batch (the widening inside it: ``test_every_dtype_reads_...``)."""
-  return np.concatenate([table(_dtype(name)).astype(np.float32)
-                         for name in ("float32", "bfloat16", "float16")])
-
-
-ROWS = {"float32": _narrow_rows(), "float64": table(np.float64)}
+ROWS = {"float32": narrow_rows(), "float64": table(np.float64)}
 # float64: its own thresholds (2**-511, 2**256) with the orders of each path.
 F64_ORDERS = (1.0, 2.0, 2.5, math.inf)
 
@@ -185,8 +162,8 @@ def test_norms_and_layer_norms_at_every_threshold(kernel, acc, p, monkeypatch):
       want = reference(rows, p)
       out = jax.device_get(compiled(rows))
       for view, got in out.items():
-        ok = _close(got, want, np.dtype(acc))
-        assert ok.all(), _report(rows, got, want, ok, view)
+        ok = close(got, want, np.dtype(acc))
+        assert ok.all(), report(rows, got, want, ok, view)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -214,8 +191,8 @@ def test_every_dtype_reads_clips_and_guards_at_every_threshold(kernel, dtype,
     compiled = VIEWS[kernel].lower(*args).compile()
     assert zero_multiplies(compiled.as_text()) == []
     out = jax.device_get(compiled(*args))
-    ok = _close(out["per_expert"], want, acc) | ~usable
-    assert ok.all(), _report(rows, out["per_expert"], want, ok, "per_expert")
+    ok = close(out["per_expert"], want, acc) | ~usable
+    assert ok.all(), report(rows, out["per_expert"], want, ok, "per_expert")
     _check_scaled(rows[usable], out["clip"][usable], 0.75, _dtype(dtype), acc, "clip")
     assert np.all(out["skipped_below"][usable] == 1), "skip_step(max_norm) let a step by"
     assert np.all(out["skipped_above"][usable] == 0), "skip_step(max_norm) skipped"
@@ -241,44 +218,12 @@ def test_a_traced_order_at_every_threshold(kernel, monkeypatch):
     for p in (2.0, 2.5, 0.5):  # the switch's own 2, and the generic path
       want = reference(rows, p)
       got = np.asarray(norms(rows, jnp.asarray(p, acc)))
-      ok = _close(got, want, np.dtype(acc))
-      assert ok.all(), _report(rows, got, want, ok, f"traced p={p}")
+      ok = close(got, want, np.dtype(acc))
+      assert ok.all(), report(rows, got, want, ok, f"traced p={p}")
 
 
 # --------------------------------------------------------------------------
 # The compiled programs hold no multiplication by a constant 0
-
-_INSTRUCTION = re.compile(r"%(\S+) = (\w+)\[[^\]]*\]\S* ([\w-]+)\(([^)]*)\)")
-_SMALLEST_NORMAL = {"f32": 2.0 ** -126, "bf16": 2.0 ** -126, "f16": 2.0 ** -14,
-                    "f64": 2.0 ** -1022}
-
-
-def zero_multiplies(hlo: str | None) -> list[str]:
-  """The multiplications, in compiled HLO text, by a float constant that is
-  0 or subnormal (hardware that flushes subnormals reads one as 0), or by
-  a broadcast of one: what XLA leaves of a product of constants that fell
-  out of the float range (``x * 2**-76 * 2**-76`` in float32)."""
-  zeros, found = set(), []
-  for line in (hlo or "").splitlines():
-    match = _INSTRUCTION.search(line)
-    if not match:
-      continue
-    name, dtype, op, args = match.groups()
-    operands = re.findall(r"%([\w.\-]+)", args)
-    if op == "constant" and dtype in _SMALLEST_NORMAL:
-      try:
-        value = float(args)
-      except ValueError:
-        continue  # an array constant
-      if abs(value) < _SMALLEST_NORMAL[dtype]:
-        zeros.add(name)
-    elif op in ("broadcast", "copy", "bitcast", "reshape", "convert") and (
-        operands and operands[0] in zeros):
-      zeros.add(name)
-    elif op == "multiply" and any(o in zeros for o in operands):
-      found.append(line.strip())
-  return found
-
 
 def test_the_zero_multiply_finder_sees_a_folded_product():
   x = jax.ShapeDtypeStruct((4,), jnp.float32)
