@@ -14,13 +14,18 @@ References are exact to far below the kernels' rounding: each row scaled
 by a power of two (exact), its powers summed in 80-bit extended precision.
 """
 
+import dataclasses
 import itertools
 import math
 import re
+from typing import Any, cast
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
+import optaxclip as oc
 from optaxclip._core._one_pass import _Blue
 
 WIDTH = 12  # entries per row (zeros pad the rest)
@@ -208,3 +213,121 @@ def zero_multiplies(hlo: str | None) -> list[str]:
     elif op == "multiply" and any(o in zeros for o in operands):
       found.append(line.strip())
   return found
+
+
+# --------------------------------------------------------------------------
+# What reads the norm, run on the table's rows (one program each, jitted, or
+# compiled for an accelerator by tests/test_deviceless.py)
+
+def layer_norms(rows, p, **axis):
+  """The stacked rows' per-layer (``layer_axis``) or per-expert
+  (``expert_axis``) norms, as the clip's state holds them."""
+  tx = oc.clip_by_global_norm(math.inf, ord=p, leaf_norms=True, **axis)
+  _, state = tx.update({"w": rows}, tx.init({"w": rows}))
+  return cast(Any, state).leaf_norms["w"]
+
+
+def skipped(row, max_norm, p):
+  """Whether ``skip_step(max_norm=...)`` skips the step of gradient ``row``."""
+  tx = oc.skip_step(optax.sgd(1.0), max_norm=max_norm, ord=p)
+  _, state = tx.update(row, tx.init(row), row)
+  return cast(Any, state).stats.skipped_count
+
+
+def _loss_scaled(row, max_norm):
+  """The update of ``dynamic_loss_scale`` at a scale of 2**40 around a clip
+  to ``max_norm`` and SGD, for the loss-scaled gradient ``row``."""
+  inner = optax.chain(oc.clip_by_global_norm(max_norm), optax.sgd(1.0))
+  tx = oc.dynamic_loss_scale(initial_scale=2.0 ** 40, inner=inner)
+  updates, _ = tx.update(row, tx.init(row), row)
+  return updates
+
+
+def norm_views(rows, p):
+  """The rows' norms as totals (``global_norm`` of each row, and of each
+  row cut in three leaves of one shape: a group of leaves) and as units
+  (per-layer norms of the stacked rows)."""
+  thirds = lambda v: [v[..., :4], v[..., 4:8], v[..., 8:]]  # noqa: E731
+  return {"global_norm": jax.vmap(lambda v: oc.functional.global_norm(v, ord=p))(rows),
+          "global_norm, 3 leaves": jax.vmap(
+              lambda v: oc.functional.global_norm(thirds(v), ord=p))(rows),
+          "per_layer": layer_norms(rows, p, layer_axis=0)}
+
+
+def guard_views(rows, clip_to, skip_below, skip_above, loss_clip_to):
+  """Everything else that reads the 2-norm: per-expert norms, the clip,
+  ``skip_step(max_norm=...)`` below and above the norm, and
+  ``dynamic_loss_scale`` around a clip (``GuardCase`` gives the numbers)."""
+  skips = jax.vmap(lambda v, m: skipped(v, m, 2.0))
+  return {
+      "per_expert": layer_norms(rows, 2.0, expert_axis=0),
+      "clip": jax.vmap(lambda v, m: oc.functional.clip_by_global_norm(v, m)[0])(
+          rows, clip_to),
+      "skipped_below": skips(rows, skip_below),
+      "skipped_above": skips(rows, skip_above),
+      "loss_scale": jax.vmap(_loss_scaled)(rows, loss_clip_to)}
+
+
+def _ulp(values: np.ndarray, dtype) -> np.ndarray:
+  """One unit in the last place of each of ``values`` in ``dtype``."""
+  info = jnp.finfo(dtype)
+  exponent = np.floor(np.log2(np.maximum(np.abs(values), float(info.tiny))))
+  return np.exp2(exponent - info.nmant)
+
+
+def _check_scaled(rows, got, factor, dtype, acc, what):
+  """``got`` is ``rows * factor`` in ``dtype``, to an ulp (a result below
+  the normal range may be flushed to 0, as XLA:CPU does)."""
+  want = rows.astype(np.float64) * factor
+  got = np.asarray(got, np.float64)
+  info = jnp.finfo(dtype)
+  bound = _ulp(want, dtype) + ULPS * float(np.finfo(acc).eps) * np.abs(want)
+  flushed = (np.abs(want) < float(info.tiny)) & (got == 0)
+  ok = np.all((np.abs(got - want) <= bound) | flushed, axis=1)
+  assert ok.all(), report(rows, got[:, 0], want[:, 0], ok, what)
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardCase:
+  """``guard_views``' arguments for the table of one dtype, and the checks
+  of its results: the clipped row's norm is 3/4 of its norm; ``skip_step``
+  skips a row whose norm is just above its ``max_norm``, and not one just
+  below; ``dynamic_loss_scale`` at 2**40 around a clip clips the unscaled
+  gradients. Rows whose norm is near the dtype's ends are left out."""
+  dtype: Any
+  rows: np.ndarray
+  want: np.ndarray  # each row's norm (1 where unusable)
+  usable: np.ndarray
+  args: tuple[np.ndarray, ...]
+
+  @classmethod
+  def of(cls, dtype) -> "GuardCase":
+    dtype = jnp.dtype(dtype)
+    acc = accumulation(dtype)
+    rows = table(dtype)
+    want = reference(rows, 2.0)
+    tiny = float(np.finfo(acc).tiny)
+    with np.errstate(over="ignore"):
+      usable = (want > tiny * 2.0 ** 30) & (want.astype(acc) < np.inf)
+    want = np.where(usable, want, 1.0)
+    clip_to = (0.75 * want).astype(acc)
+    near = 64 * float(np.finfo(acc).eps)
+    with np.errstate(over="ignore"):
+      above = np.minimum(want * (1 + near), float(np.finfo(acc).max)).astype(acc)
+    args = (rows, clip_to, (want * (1 - near)).astype(acc), above,
+            (clip_to / 2.0 ** 40).astype(acc))
+    return cls(dtype, rows, want, usable, args)
+
+  def check(self, out: dict[str, Any], where: str = "") -> None:
+    rows, want, usable, dtype = self.rows, self.want, self.usable, self.dtype
+    acc = accumulation(dtype)
+    ok = close(out["per_expert"], want, acc) | ~usable
+    assert ok.all(), report(rows, out["per_expert"], want, ok, f"{where}per_expert")
+    _check_scaled(rows[usable], out["clip"][usable], 0.75, dtype, acc, f"{where}clip")
+    assert np.all(out["skipped_below"][usable] == 1), f"{where}skip_step(max_norm) let a step by"
+    assert np.all(out["skipped_above"][usable] == 0), f"{where}skip_step(max_norm) skipped"
+    if dtype != jnp.float16:  # float16 gradients overflow at a scale of 2**40
+      x = np.abs(rows.astype(np.float64))
+      fits = usable & np.all((x == 0) | (x >= float(np.finfo(acc).tiny) * 2.0 ** 41), axis=1)
+      _check_scaled(rows[fits], out["loss_scale"][fits], -0.75 / 2.0 ** 40,
+                    dtype, acc, f"{where}dynamic_loss_scale(clip)")

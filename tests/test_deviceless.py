@@ -18,7 +18,18 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
-from kernel_table import WIDTH, close, narrow_rows, reference, report, table, zero_multiplies
+from kernel_table import (
+  WIDTH,
+  GuardCase,
+  close,
+  guard_views,
+  narrow_rows,
+  norm_views,
+  reference,
+  report,
+  table,
+  zero_multiplies,
+)
 
 import optaxclip as oc
 
@@ -438,14 +449,7 @@ def _threshold_norms(rows):
   """Each row of kernel_table's table, every order: its norm as a total (of
   the row, and of the row cut in three leaves of one shape: a group) and
   as a unit (the per-layer norms of the stacked rows)."""
-  def layer_norms(p):
-    tx = oc.clip_by_global_norm(INF, ord=p, leaf_norms=True, layer_axis=0)
-    return tx.update({"w": rows}, tx.init({"w": rows}))[1].leaf_norms["w"]
-  thirds = lambda v: [v[:4], v[4:8], v[8:]]  # noqa: E731
-  return {f"p={p}": {"global_norm": jax.vmap(lambda v: F.global_norm(v, ord=p))(rows),
-                     "3 leaves": jax.vmap(lambda v: F.global_norm(thirds(v), ord=p))(rows),
-                     "per_layer": layer_norms(p)}
-          for p in THRESHOLD_ORDERS}
+  return {f"p={p}": norm_views(rows, p) for p in THRESHOLD_ORDERS}
 
 
 def _large_norms(rows):
@@ -485,3 +489,16 @@ def test_accelerator_norms_are_right_at_every_threshold(target):
     want = reference(values, p)
     ok = close(got, want, np.float32)
     assert ok.all(), report(values, got, want, ok, f"{target}, p={p}, {view}")
+
+
+@pytest.mark.parametrize("target", ["h100", "tpu_v5e"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_accelerator_clips_and_guards_are_right_at_every_threshold(dtype, target):
+  # What reads the norm, in the accelerators' programs: the clip, per-expert
+  # norms, skip_step(max_norm=...) and dynamic_loss_scale around a clip, as
+  # tests/test_kernel_thresholds.py checks them on the CPU's.
+  case = GuardCase.of(dtype)
+  args = tuple(dl.specs((a.shape, a.dtype), target) for a in case.args)
+  program = dl.compile(guard_views, args)
+  assert zero_multiplies(program.text) == [], target
+  case.check(dl.on_cpu(program, guard_views, args)(*case.args), f"{target}, {dtype}: ")

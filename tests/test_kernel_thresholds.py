@@ -18,22 +18,23 @@ Defect 5 (pair orders summed one entry after the other on the CPU) and
 the compiled programs' constants are checked at the end.
 """
 
+import functools
 import math
-from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from kernel_table import (
-  ULPS,
-  accumulation,
+  GuardCase,
   close,
+  guard_views,
   narrow_rows,
+  norm_views,
   plain_sums_suffice,
   reference,
   report,
+  skipped,
   table,
   zero_multiplies,
 )
@@ -51,82 +52,13 @@ DTYPES = ("float32", "bfloat16", "float16", "float64")
 ORDERS = (1.0, 2.0, 0.5, 2.5, 3.0, 130.0, math.inf)
 
 
-def _dtype(name):
-  return jnp.dtype(name)
-
-
 def _x64(name):
   return jax.enable_x64(name == "float64")
 
 
-def _layer_norms(rows, p, **axis):
-  tx = oc.clip_by_global_norm(math.inf, ord=p, leaf_norms=True, **axis)
-  _, state = tx.update({"w": rows}, tx.init({"w": rows}))
-  return cast(Any, state).leaf_norms["w"]
-
-
-def _skipped(row, max_norm, p):
-  tx = oc.skip_step(optax.sgd(1.0), max_norm=max_norm, ord=p)
-  _, state = tx.update(row, tx.init(row), row)
-  return cast(Any, state).stats.skipped_count
-
-
-def _loss_scaled(row, max_norm):
-  """The update of ``dynamic_loss_scale`` at a scale of 2**40 around a clip
-  to ``max_norm`` and SGD, for the loss-scaled gradient ``row``."""
-  inner = optax.chain(oc.clip_by_global_norm(max_norm), optax.sgd(1.0))
-  tx = oc.dynamic_loss_scale(initial_scale=2.0 ** 40, inner=inner)
-  updates, _ = tx.update(row, tx.init(row), row)
-  return updates
-
-
-def _norms(p):
-  """The rows' norms as totals (``global_norm`` of each row, and of each
-  row cut in three leaves of one shape: a group of leaves) and as units
-  (per-layer norms of the stacked rows), in one compiled program."""
-  def run(rows):
-    thirds = lambda v: [v[..., :4], v[..., 4:8], v[..., 8:]]  # noqa: E731
-    return {"global_norm": jax.vmap(lambda v: F.global_norm(v, ord=p))(rows),
-            "global_norm, 3 leaves": jax.vmap(lambda v: F.global_norm(thirds(v), ord=p))(rows),
-            "per_layer": _layer_norms(rows, p, layer_axis=0)}
-  return jax.jit(run)
-
-
-def _views(p):
-  """Everything else that reads the norm, in one compiled program."""
-  def run(rows, clip_to, skip_below, skip_above, loss_clip_to):
-    skipped = jax.vmap(lambda v, m: _skipped(v, m, p))
-    return {
-        "per_expert": _layer_norms(rows, p, expert_axis=0),
-        "clip": jax.vmap(lambda v, m: F.clip_by_global_norm(v, m, ord=p)[0])(
-            rows, clip_to),
-        "skipped_below": skipped(rows, skip_below),
-        "skipped_above": skipped(rows, skip_above),
-        "loss_scale": jax.vmap(_loss_scaled)(rows, loss_clip_to)}
-  return jax.jit(run)
-
-
-NORMS = {(kernel, p): _norms(p) for kernel in KERNELS + LAYOUTS for p in ORDERS}
-VIEWS = {kernel: _views(2.0) for kernel in KERNELS}
-
-
-def _ulp(values: np.ndarray, dtype) -> np.ndarray:
-  """One unit in the last place of each of ``values`` in ``dtype``."""
-  info = jnp.finfo(dtype)
-  exponent = np.floor(np.log2(np.maximum(np.abs(values), float(info.tiny))))
-  return np.exp2(exponent - info.nmant)
-
-
-def _check_scaled(rows, got, factor, dtype, acc, what):
-  """``got`` is ``rows * factor`` in ``dtype``, to an ulp (a result below
-  the normal range may be flushed to 0, as XLA:CPU does)."""
-  want = rows.astype(np.float64) * factor
-  got = np.asarray(got, np.float64)
-  info = jnp.finfo(dtype)
-  bound = _ulp(want, dtype) + ULPS * float(np.finfo(acc).eps) * np.abs(want)
-  flushed = (np.abs(want) < float(info.tiny)) & (got == 0)
-  ok = np.all((np.abs(got - want) <= bound) | flushed, axis=1)
-  assert ok.all(), report(rows, got[:, 0], want[:, 0], ok, what)
+NORMS = {(kernel, p): jax.jit(functools.partial(norm_views, p=p))
+         for kernel in KERNELS + LAYOUTS for p in ORDERS}
+VIEWS = {kernel: jax.jit(guard_views) for kernel in KERNELS}
 
 
 def _batches(rows, p, dtype):
@@ -174,33 +106,11 @@ def test_every_dtype_reads_clips_and_guards_at_every_threshold(kernel, dtype,
   # above max_norm (and not below); dynamic_loss_scale at 2**40 around a
   # clip clips the unscaled gradients.
   monkeypatch.setenv("OPTAXCLIP_KERNEL", kernel)
-  acc, p = accumulation(dtype), 2.0
-  tiny = float(np.finfo(acc).tiny)
   with _x64(dtype):
-    rows = table(_dtype(dtype))
-    want = reference(rows, p)
-    with np.errstate(over="ignore"):
-      usable = (want > tiny * 2.0 ** 30) & (want.astype(acc) < np.inf)
-    want = np.where(usable, want, 1.0)
-    clip_to = (0.75 * want).astype(acc)
-    near = 64 * float(np.finfo(acc).eps)
-    with np.errstate(over="ignore"):
-      above = np.minimum(want * (1 + near), float(np.finfo(acc).max)).astype(acc)
-    args = (rows, clip_to, (want * (1 - near)).astype(acc), above,
-            (clip_to / 2.0 ** 40).astype(acc))
-    compiled = VIEWS[kernel].lower(*args).compile()
+    case = GuardCase.of(dtype)
+    compiled = VIEWS[kernel].lower(*case.args).compile()
     assert zero_multiplies(compiled.as_text()) == []
-    out = jax.device_get(compiled(*args))
-    ok = close(out["per_expert"], want, acc) | ~usable
-    assert ok.all(), report(rows, out["per_expert"], want, ok, "per_expert")
-    _check_scaled(rows[usable], out["clip"][usable], 0.75, _dtype(dtype), acc, "clip")
-    assert np.all(out["skipped_below"][usable] == 1), "skip_step(max_norm) let a step by"
-    assert np.all(out["skipped_above"][usable] == 0), "skip_step(max_norm) skipped"
-    if dtype != "float16":  # float16 gradients overflow at a scale of 2**40
-      x = np.abs(rows.astype(np.float64))
-      fits = usable & np.all((x == 0) | (x >= tiny * 2.0 ** 41), axis=1)
-      _check_scaled(rows[fits], out["loss_scale"][fits], -0.75 / 2.0 ** 40,
-                    _dtype(dtype), acc, "dynamic_loss_scale(clip)")
+    case.check(jax.device_get(compiled(*case.args)))
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -310,13 +220,13 @@ def test_a_subnormal_norm_is_compared_and_divided_alike_everywhere(kernel, monke
     def clip(grads, rows, tx=tx, max_norm=max_norm):
       _, state = tx.update(grads, tx.init(grads))
       _, clipped, _ = F.per_example_clip_by_global_norm(rows, max_norm)
-      return state, clipped, _skipped(grads["w"], max_norm, 2.0)
+      return state, clipped, skipped(grads["w"], max_norm, 2.0)
 
     for run in (clip, jax.jit(clip)):
-      state, clipped, skipped = run(grads, rows)
+      state, clipped, stepped_over = run(grads, rows)
       shown = f"max_norm {max_norm}, {'jit' if run is not clip else 'eager'}"
       assert float(state.norm) == 2 * SUBNORMAL, shown
       assert float(state.scale) == factor, shown
       assert int(state.clipped_count) == int(factor < 1), shown
       assert int(clipped) == 3 * int(factor < 1), shown
-      assert int(skipped) == int(factor < 1), shown  # skip_step(max_norm=...)
+      assert int(stepped_over) == int(factor < 1), shown  # skip_step(max_norm=...)
