@@ -379,17 +379,21 @@ LEAVES_PER_FUSION = 30
 SMALL_PASSES = 1.05
 
 
+# The small-leaf programs of the library, and optax's.
+SMALL_FNS = {"norm": F.global_norm, "optax norm": optax.tree.norm,
+             "inf norm": functools.partial(F.global_norm, ord=INF),
+             "optax inf norm": functools.partial(optax.tree.norm, ord=INF),
+             "all_finite": F.all_finite}
+
+
 @functools.cache
 def small_programs(tree: str, target: str) -> dict[str, dl.Program]:
   grads = SMALL_TREES[tree]()
   g = dl.specs(grads, target)
-  programs = {"norm": dl.compile(F.global_norm, (g,)),
-              "optax norm": dl.compile(optax.tree.norm, (g,))}
+  names = ["norm", "optax norm"]
   if (tree, target, "inf norm") in SMALL_NORMS:
-    programs.update({
-        "inf norm": dl.compile(functools.partial(F.global_norm, ord=INF), (g,)),
-        "optax inf norm": dl.compile(functools.partial(optax.tree.norm, ord=INF), (g,)),
-        "all_finite": dl.compile(F.all_finite, (g,))})
+    names += ["inf norm", "optax inf norm", "all_finite"]
+  programs = {name: dl.compile(SMALL_FNS[name], (g,)) for name in names}
   if (tree, target) in SMALL_STEPS:
     programs.update({"clip + adamw": _step_program(_clipped(), target, grads),
                      "adamw": _step_program(_adamw(), target, grads)})
@@ -413,6 +417,28 @@ def test_small_leaves_norm_in_a_handful_of_kernels(tree, target, what):
   assert set(ours.readers) == {1}, shown
   # (a TPU's prefetch copies count in both: one read is optax's norm there)
   assert ours.passes <= SMALL_PASSES * max(1.0, theirs.passes), shown
+  if tree == "150 small leaves":  # its numbers, as the accelerator computes them
+    _check_small_numbers(ours, what, target)
+
+
+def _check_small_numbers(program: dl.Program, what: str, target: str):
+  """`program` run here on the small leaves, each of its own magnitude
+  (2**-100 to 2**100: every band of the one-pass kernel, groups that mix
+  them), against float64; `all_finite` also with one NaN."""
+  rng = np.random.default_rng(7)
+  values = {name: (rng.standard_normal(shape) * 2.0 ** rng.integers(-100, 100)).astype(np.float32)
+            for name, (shape, _) in small_leaves().items()}
+  args = (dl.specs(small_leaves(), target),)
+  run = dl.on_cpu(program, SMALL_FNS[what], args)
+  entries = np.concatenate([np.abs(x.astype(np.float64)).ravel() for x in values.values()])
+  if what == "all_finite":
+    assert bool(run(values)), target
+    values["p0077"].flat[5] = np.nan
+    assert not bool(run(values)), target
+    return
+  want = entries.max() if what == "inf norm" else np.sqrt(np.sum(entries ** 2))
+  assert close(np.asarray(run(values))[None], np.asarray([want]), np.float32).all(), (
+      f"{what} on {target}: {float(run(values))!r}, exact {want!r}")
 
 
 @pytest.mark.parametrize("tree, target", SMALL_STEPS)
