@@ -171,15 +171,18 @@ class Program:
 
 
 def compile(fn: Callable[..., Any], args: tuple[Any, ...], watched: int = 0,
-            donate: tuple[int, ...] = ()) -> Program:
-  """`jax.jit(fn, donate_argnums=donate)` compiled for the devices `args` are
-  placed on (`specs`), read; `watched` is the index of the argument whose
-  leaves are counted (the gradients). Traced under a one-device mesh of
-  the target when no argument is on a mesh: how a trace learns its
-  platform (optaxclip picks its norm kernel by it)."""
+            donate: tuple[int, ...] = (), keep_unused: bool = False) -> Program:
+  """`jax.jit(fn, donate_argnums=donate, keep_unused=keep_unused)` compiled
+  for the devices `args` are placed on (`specs`), read; `watched` is the
+  index of the argument whose leaves are counted (the gradients). Traced
+  under a one-device mesh of the target when no argument is on a mesh: how
+  a trace learns its platform (optaxclip picks its norm kernel by it).
+  `on_cpu` needs every argument kept (`keep_unused`) where `fn` leaves
+  some unread."""
   start = time.perf_counter()
   with _target_mesh(args):
-    compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+    compiled = jax.jit(fn, donate_argnums=donate, keep_unused=keep_unused
+                       ).lower(*args).compile()
   seconds = time.perf_counter() - start
   text = compiled.as_text()
   entry = _entry(text)
@@ -315,6 +318,10 @@ def on_cpu(program: Program, fn: Callable[..., Any], args: tuple[Any, ...]
   cpu = jax.devices("cpu")[:1]
   executable = cpu[0].client.compile_and_load(stablehlo, cpu, xla_client.CompileOptions())
   out_tree = jax.tree.structure(jax.eval_shape(fn, *args))
+  taken = len(re.findall(r"\sparameter\(\d+\)", "\n".join(_entry(program.text))))
+  assert taken == len(jax.tree.leaves(args)), (
+      f"the program takes {taken} of the {len(jax.tree.leaves(args))} arguments: "
+      f"compile it with keep_unused=True to run it")
 
   def run(*values):
     flat = [jax.device_put(np.asarray(v), cpu[0]) for v in jax.tree.leaves(values)]

@@ -528,3 +528,59 @@ def test_accelerator_clips_and_guards_are_right_at_every_threshold(dtype, target
   program = dl.compile(guard_views, args)
   assert zero_multiplies(program.text) == [], target
   case.check(dl.on_cpu(program, guard_views, args)(*case.args), f"{target}, {dtype}: ")
+
+
+# --------------------------------------------------------------------------
+# Platform branches: what GPU and TPU run instead of the CPU's conditional
+
+def _sgd_after(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  return optax.chain(tx, optax.sgd(1.0))
+
+
+# Each transform with a `lax.platform_dependent` branch, and the scales of
+# its gradients step by step: ZClip's warm-up median (selected every step
+# on GPU/TPU, in a conditional on the CPU), over a spike and a NaN step;
+# dynamic_loss_scale's window check (the sum judged every step on GPU/TPU,
+# in a conditional past its bound on the CPU), over a window whose sum
+# overflows float32 from finite micro-batches and one with a NaN.
+BRANCHED = {
+    "zclip": (lambda: _sgd_after(oc.zclip(warmup_steps=3)),
+              (1.0, 2.0, 0.5, 1.5, 40.0, 1.0, float("nan"), 1.2)),
+    "dynamic_loss_scale(every_k_steps)": (
+        lambda: oc.dynamic_loss_scale(initial_scale=1.0, every_k_steps=2,
+                                      inner=_sgd_after(oc.clip_by_global_norm(1.0))),
+        (1.0, 2.0, 2e38, 2e38, 1.0, float("nan"), 0.5, 1.0)),
+}
+
+
+@pytest.mark.parametrize("target", ["h100", "tpu_v5e"])
+@pytest.mark.parametrize("name", list(BRANCHED))
+def test_platform_branches_give_the_cpus_numbers(name, target):
+  build, scales = BRANCHED[name]
+  tx = build()
+  rng = np.random.default_rng(3)
+  # One entry dominates: scaled by 2e38 a micro-batch's norm is finite,
+  # the sum of two is not.
+  base = {"w": 1e-3 * rng.standard_normal((8, 4)).astype(np.float32),
+          "b": 1e-3 * rng.standard_normal(4).astype(np.float32)}
+  base["w"][0, 0] = 1.0
+  params = jax.tree.map(np.zeros_like, base)
+
+  def step(grads, state, params):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  state = tx.init(params)
+  args = (dl.specs(base, target), dl.specs(state, target), dl.specs(params, target))
+  program = dl.compile(step, args, keep_unused=True)
+  assert program.conditionals == 0, f"{name} on {target}: the CPU's branch"
+  runs = {"cpu": jax.jit(step), target: dl.on_cpu(program, step, args)}
+  carried = {where: (params, state) for where in runs}
+  for k, scale in enumerate(scales):
+    grads = jax.tree.map(lambda x: x * np.float32(scale), base)
+    for where, run in runs.items():
+      carried[where] = run(grads, *carried[where][::-1])
+    jax.tree.map(lambda got, want: np.testing.assert_allclose(
+        np.asarray(got, np.float64), np.asarray(want, np.float64), rtol=1e-5,
+        err_msg=f"{name} on {target}, step {k} (scale {scale})"),
+        carried[target], carried["cpu"])
