@@ -276,36 +276,57 @@ def _readers(entry: list[str], name: str) -> set[str]:
 
 # What XLA:CPU cannot take in an accelerator's optimized program, rewritten
 # (`on_cpu`): a layout's tiles and memory space (TPU), the scalar layout of
-# the entry's signature, a bitcast between layouts or element types, a
-# fusion, a prefetch copy's start and end (TPU).
+# the entry's signature, a bitcast (a reshape, or between element types),
+# a fusion, a prefetch copy's start and end (TPU). (XLA:TPU's async slices,
+# in its step programs, are not rewritten yet.)
 _TILES = re.compile(r"(\{[\d,]*):[^}]*\}")
-_DEFINED = re.compile(r"\s*(?:ROOT )?(%\S+) = (\w+)\[")
-_BITCAST = re.compile(r"(\s*(?:ROOT )?%\S+ = (\w+)\[[^\]]*\]\S*) bitcast\((%[^)]+)\)")
+_DEFINED = re.compile(r"\s*(?:ROOT )?(%\S+) = (\w+)\[([\d,]*)\](?:\{([\d,]*)\})?")
+_BITCAST = re.compile(r"(\s*(?:ROOT )?%\S+ = (\w+)\[([\d,]*)\](?:\{([\d,]*)\})?) "
+                      r"bitcast\((%[^)]+)\)")
 _FUSION = re.compile(r" fusion\((.*?)\), kind=k\w+, calls=(%[\w.-]+)")
 _COPY_START = re.compile(r"\s*(%\S+) = .* copy-start\((%[^)]+)\)")
 _COPY_DONE = re.compile(r"(\s*(?:ROOT )?%\S+ = \S+) copy-done\((%[^)]+)\)")
 
 
+def _row_major(dims: str, layout: str | None) -> bool:
+  """Whether a layout (minor to major) lays its array out in C order, up to
+  axes of size 1 (which a layout may place anywhere)."""
+  if not layout:
+    return True
+  sizes = [int(d) for d in dims.split(",") if d]
+  order = [int(a) for a in layout.split(",") if a and sizes[int(a)] > 1]
+  return order == sorted(order, reverse=True)
+
+
 def _for_the_cpu(text: str) -> str:
   """`text` (an optimized GPU/TPU module) as XLA:CPU parses and runs it:
-  the same computation, each fusion a call of its fused computation. A
-  bitcast becomes a reshape, which reads entries in row-major order where
-  the accelerator's layout may not: only programs whose results do not
-  depend on the order of a reshape's entries (sums over whole leaves, their
-  own units) are run so."""
-  element, starts, lines = {}, {}, []
+  the same computation, each fusion a call of its fused computation, each
+  bitcast a reshape (or a bitcast-convert between element types). A
+  bitcast between arrays not laid out in C order may move entries where a
+  reshape does not, and one may change the shape and the element type at
+  once: NotImplementedError for both, not a wrong number."""
+  element, dims, layouts, starts, lines = {}, {}, {}, {}, []
   for line in text.splitlines():
     line = _TILES.sub(r"\1}", line).replace("[]{}", "[]")
     if (defined := _DEFINED.match(line)):
-      element[defined[1]] = defined[2]
+      element[defined[1]], dims[defined[1]] = defined[2], defined[3]
+      layouts[defined[1]] = _row_major(defined[3], defined[4])
     if (start := _COPY_START.match(line)):
       starts[start[1]] = start[2]
       continue
     if (done := _COPY_DONE.match(line)):
       line = f"{done[1]} copy({starts[done[2]]}){line[done.end():]}"
     if (cast := _BITCAST.match(line)):
-      op = "bitcast-convert" if element.get(cast[3], cast[2]) != cast[2] else "reshape"
-      line = f"{cast[1]} {op}({cast[3]}){line[cast.end():]}"
+      source = cast[5]
+      if not (_row_major(cast[3], cast[4]) and layouts.get(source, True)):
+        raise NotImplementedError(f"a bitcast between layouts, not a reshape: {line.strip()}")
+      if element.get(source, cast[2]) == cast[2]:
+        op = "reshape"
+      elif dims.get(source) == cast[3]:
+        op = "bitcast-convert"
+      else:
+        raise NotImplementedError(f"a bitcast of shape and element type: {line.strip()}")
+      line = f"{cast[1]} {op}({source}){line[cast.end():]}"
     lines.append(_FUSION.sub(r" call(\1), to_apply=\2", line))
   return "\n".join(lines)
 

@@ -224,6 +224,23 @@ def test_the_deviceless_helper_still_answers(target):
   assert program.conditionals == 0 and program.all_reduces == 0, dl.UPDATE
 
 
+def test_a_bitcast_runs_here_as_a_reshape_only_between_c_order_layouts():
+  # A bitcast reinterprets memory: a reshape where both arrays are laid out
+  # in C order (axes of size 1 anywhere), a transpose where not.
+  def module(layout: str) -> str:
+    return (f"  %a = f32[64,32]{{{layout}}} parameter(0)\n"
+            "  ROOT %b = f32[2048]{0} bitcast(%a)\n"
+            "  %c = s32[8]{0} parameter(1)\n"
+            "  %d = f32[8]{0} bitcast(%c)")
+  converted = dl._for_the_cpu(module("1,0"))
+  assert "reshape(%a)" in converted and "bitcast-convert(%c)" in converted, converted
+  assert "bitcast(" not in converted, converted
+  with pytest.raises(NotImplementedError, match="bitcast between layouts"):
+    dl._for_the_cpu(module("0,1"))
+  with pytest.raises(NotImplementedError, match="shape and element type"):
+    dl._for_the_cpu("  %c = s32[2,4]{1,0} parameter(1)\n  %d = f32[8]{0} bitcast(%c)")
+
+
 @pytest.mark.parametrize("ci", ["true", ""])
 def test_missing_packages_skip_with_a_hint_but_fail_in_ci(monkeypatch, ci):
   monkeypatch.setitem(dl.PACKAGES, "cuda", ("optaxclip_no_such_package",))
