@@ -277,8 +277,8 @@ def _readers(entry: list[str], name: str) -> set[str]:
 # What XLA:CPU cannot take in an accelerator's optimized program, rewritten
 # (`on_cpu`): a layout's tiles and memory space (TPU), the scalar layout of
 # the entry's signature, a bitcast (a reshape, or between element types),
-# a fusion, a prefetch copy's start and end (TPU). (XLA:TPU's async slices,
-# in its step programs, are not rewritten yet.)
+# a fusion, a prefetch copy's start and end (TPU). (XLA:TPU's async slices
+# and ConcatBitcast custom calls, in its step programs, are not yet.)
 _TILES = re.compile(r"(\{[\d,]*):[^}]*\}")
 _DEFINED = re.compile(r"\s*(?:ROOT )?(%\S+) = (\w+)\[([\d,]*)\](?:\{([\d,]*)\})?")
 _BITCAST = re.compile(r"(\s*(?:ROOT )?%\S+ = (\w+)\[([\d,]*)\](?:\{([\d,]*)\})?) "
