@@ -605,16 +605,24 @@ def test_platform_branches_give_the_cpus_numbers(name, target):
   args = (dl.specs(base, target), dl.specs(state, target), dl.specs(params, target))
   program = dl.compile(step, args, keep_unused=True)
   assert program.conditionals == 0, f"{name} on {target}: the CPU's branch"
-  runs = {"cpu": jax.jit(step), target: dl.on_cpu(program, step, args)}
+  _assert_steps_agree(step, program, args, params, state,
+                      [jax.tree.map(lambda x, k=k: x * np.float32(k), base) for k in scales],
+                      f"{name} on {target}")
+
+
+def _assert_steps_agree(step, program: dl.Program, args, params, state, grads: list,
+                        what: str, extra: tuple = ()):
+  """`step` (`_stepper`) compiled here and `program` (its accelerator's)
+  run here, from `params` and `state`, one step per entry of `grads`: the
+  same numbers after every step."""
+  runs = {"cpu": jax.jit(step), "accelerator": dl.on_cpu(program, step, args)}
   carried = {where: (params, state) for where in runs}
-  for k, scale in enumerate(scales):
-    grads = jax.tree.map(lambda x: x * np.float32(scale), base)
+  for k, g in enumerate(grads):
     for where, run in runs.items():
-      params, state = carried[where]
-      carried[where] = run(grads, state, params)
-    jax.tree.map(functools.partial(_assert_leaf_close,
-                                   what=f"{name} on {target}, step {k} (scale {scale})"),
-                 carried[target], carried["cpu"])
+      p, s = carried[where]
+      carried[where] = run(g, s, p, *extra)
+    jax.tree.map(functools.partial(_assert_leaf_close, what=f"{what}, step {k}"),
+                 carried["accelerator"], carried["cpu"])
 
 
 def _model_values(seed: int) -> dict:
@@ -643,11 +651,5 @@ def test_step_programs_give_the_cpus_numbers(name):
   state = tx.init(params)
   args = (dl.specs(grads, "h100"), dl.specs(state, "h100"), dl.specs(grads, "h100"),
           *[dl.specs(extra[n], "h100") for n in names])
-  runs = {"cpu": jax.jit(step), "h100": dl.on_cpu(program, step, args)}
-  carried = {where: (params, state) for where in runs}
-  for k in range(2):
-    for where, run in runs.items():
-      p, s = carried[where]
-      carried[where] = run(grads, s, p, *[extra[n] for n in names])
-    jax.tree.map(functools.partial(_assert_leaf_close, what=f"{name} on h100, step {k}"),
-                 carried["h100"], carried["cpu"])
+  _assert_steps_agree(step, program, args, params, state, [grads, grads], f"{name} on h100",
+                      tuple(extra[n] for n in names))
