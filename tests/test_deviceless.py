@@ -10,6 +10,7 @@ What the numbers are today: docs/design.md, Platforms.
 
 import functools
 import math
+from typing import NamedTuple
 
 import deviceless as dl
 import jax
@@ -167,37 +168,52 @@ def _show(what: str, target: str, ours: dl.Program, theirs: dl.Program) -> str:
           f"{theirs.fusions} / {theirs.passes:.4f} ({theirs.seconds:.2f} s)")
 
 
-def _cases(names, tpu_v5e: tuple[str, ...], tpu_v6e: tuple[str, ...],
-           known: dict[tuple[str, str], str]) -> list:
+def shares(target: str) -> pytest.MarkDecorator:
+  """The tests of a target's cached programs (`step_program`, `norm_programs`,
+  `small_programs`) in one pytest-xdist worker (`make test`'s `--dist
+  loadgroup`): each program compiled once in the run (a deviceless compile
+  is not kept in JAX's persistent cache)."""
+  return pytest.mark.xdist_group(f"deviceless {target}")
+
+
+def _cases(names, tpu_v5e: tuple[str, ...], tpu_v6e: tuple[str, ...]) -> list:
   """(name, target): every name on the H100 (XLA:GPU, whose fusion choices
   differ most from the CPU's), those of `tpu_v5e` and `tpu_v6e` on the TPUs
-  (a TPU compile takes seconds); strict xfail where `known` says the current
-  code misses (measured, issue 34)."""
+  (a TPU compile takes seconds), each in its target's worker (`shares`)."""
   targets = {"h100": tuple(names), "tpu_v5e": tpu_v5e, "tpu_v6e": tpu_v6e}
-  return [pytest.param(name, target, id=f"{name}-{target}", marks=[
-              pytest.mark.xfail(strict=True, reason=known[name, target])]
-              if (name, target) in known else [])
+  return [pytest.param(name, target, id=f"{name}-{target}", marks=shares(target))
           for name in names for target in TARGETS if name in targets[target]]
 
 
-# What the current code misses (measured 2026-11-27; issue 34).
-KNOWN_NORMS: dict[tuple[str, str], str] = {}
+class Known(NamedTuple):
+  """A step that misses the limit today (issue 34): what it measured, which
+  it may not exceed (a regression fails), and why it misses."""
+  passes: float
+  readers: int
+  why: str
+
+
+# What the current code misses (measured 2026-11-28; issue 34).
 STEP_LIMITS = "AdamW alone 7.000 + one read 1.002, limit 8.082"
 KNOWN_STEPS = {
     # The parameters' unit norms are a read of the parameters before AdamW's
     # pass can start: one more than the limit allows (optax's AGC + AdamW:
     # H100 8.441, over it too); the units of 2 entries of this tree's
     # stacked 3-D leaves (optax's units without layer_axis) are written out.
-    ("adaptive_grad_clip", "h100"): "AGC reads the gradients and the parameters apart "
-                                    f"(10.991 passes, optax's AGC 8.441; {STEP_LIMITS})",
-    ("adaptive_grad_clip", "tpu_v5e"): "AGC reads the gradients and the parameters apart "
-                                       "(25.466 passes, optax's AGC 21.461; AdamW alone "
-                                       "18.991 + one read 3.626, limit 22.843)",
-    ("dynamic_loss_scale(clip, every_k_steps)", "h100"):
-        f"the window's check re-reads the gradients (13.012 passes, 4 readers; {STEP_LIMITS})",
-    ("dynamic_loss_scale(clip, every_k_steps)", "tpu_v5e"):
-        "the window's check re-reads the gradients (29.129 passes; AdamW alone 18.991 + one "
-        "read 3.626, limit 22.843)",
+    ("adaptive_grad_clip", "h100"): Known(
+        11.278, 2, "AGC reads the gradients and the parameters apart, and writes the "
+                   f"norms of units of 2 entries out (optax's AGC 8.441; {STEP_LIMITS})"),
+    ("adaptive_grad_clip", "tpu_v5e"): Known(
+        25.466, 2, "AGC reads the gradients and the parameters apart (optax's AGC 21.461; "
+                   "AdamW alone 18.991 + one read 3.626, limit 22.843)"),
+    # The window's accumulator is read and written every micro-batch: optax's
+    # MultiSteps of the unguarded clip + AdamW pays those two passes too.
+    ("dynamic_loss_scale(clip, every_k_steps)", "h100"): Known(
+        13.137, 4, "the window's sum is written out, its check re-reads it "
+                   f"(optax.MultiSteps(optax clip + AdamW) 11.002; {STEP_LIMITS})"),
+    ("dynamic_loss_scale(clip, every_k_steps)", "tpu_v5e"): Known(
+        29.129, 2, "the window's sum is written out (optax.MultiSteps(optax clip + AdamW) "
+                   "26.630; AdamW alone 18.991 + one read 3.626, limit 22.843)"),
 }
 
 
@@ -272,7 +288,7 @@ def test_requirements_follow_the_installed_jaxlib():
 
 @pytest.mark.parametrize("name, target", _cases(
     NORMS, ("float32, ord 2", "float32, ord 1", "float32, ord 3", "bfloat16, ord 2"),
-    ("float32, ord 2",), KNOWN_NORMS))
+    ("float32, ord 2",)))
 def test_global_norm_reads_each_leaf_once(name, target):
   ours, theirs = norm_programs(target, name)
   shown = _show(f"global norm ({name})", target, ours, theirs)
@@ -304,20 +320,30 @@ def test_unit_norms_read_each_leaf_once():
 
 @pytest.mark.parametrize("name, target", _cases(
     STEPS, ("clip", "clip(groups)", "adaptive_grad_clip",
-            "dynamic_loss_scale(clip, every_k_steps)"), ("clip",), KNOWN_STEPS))
+            "dynamic_loss_scale(clip, every_k_steps)"), ("clip",)))
 def test_step_adds_at_most_one_read_to_adamw(name, target):
   ours, adamw = step_program(name, target), step_program("adamw", target)
-  optax_clip = step_program("optax clip", target) if name == "clip" else adamw
   limit = (adamw.passes + one_read(target)) * (1 + TOLERANCE)
   label = name if "adamw" in name else f"{name} + adamw"
   shown = (f"{label} on {target}: {ours.fusions} fusions / {ours.passes:.4f} passes / "
            f"readers {max(ours.readers)} ({ours.seconds:.2f} s); adamw alone "
-           f"{adamw.fusions} / {adamw.passes:.4f}; optax clip + adamw {optax_clip.fusions} / "
-           f"{optax_clip.passes:.4f}; limit {limit:.4f}")
+           f"{adamw.fusions} / {adamw.passes:.4f}; limit {limit:.4f}")
+  if name == "clip":
+    optax_clip = step_program("optax clip", target)
+    shown += f"; optax clip + adamw {optax_clip.fusions} / {optax_clip.passes:.4f}"
   print(shown)
   assert ours.conditionals == 0, shown
-  assert max(ours.readers) <= 2, f"readers per leaf {ours.readers}: {shown}"
-  assert ours.passes <= limit, shown
+  meets = max(ours.readers) <= 2 and ours.passes <= limit
+  known = KNOWN_STEPS.get((name, target))
+  if known is None:
+    assert max(ours.readers) <= 2, f"readers per leaf {ours.readers}: {shown}"
+    assert ours.passes <= limit, shown
+    return
+  # A known miss: no worse than measured, and taken off the list once met.
+  assert not meets, f"meets the limit now: take it off KNOWN_STEPS ({shown})"
+  assert max(ours.readers) <= known.readers, f"more readers than {known}: {shown}"
+  assert ours.passes <= known.passes * (1 + TOLERANCE / 10), f"worse than {known}: {shown}"
+  pytest.xfail(f"{known.why}: {shown}")
 
 
 # --------------------------------------------------------------------------
@@ -425,7 +451,8 @@ def small_programs(tree: str, target: str) -> dict[str, dl.Program]:
   return programs
 
 
-@pytest.mark.parametrize("tree, target, what", SMALL_NORMS)
+@pytest.mark.parametrize("tree, target, what", [
+    pytest.param(*case, marks=shares(case[1])) for case in SMALL_NORMS])
 def test_small_leaves_norm_in_a_handful_of_kernels(tree, target, what):
   programs = small_programs(tree, target)
   ours = programs[what]
@@ -466,7 +493,8 @@ def _check_small_numbers(program: dl.Program, what: str, target: str):
       f"{what} on {target}: {float(run(values))!r}, exact {want!r}")
 
 
-@pytest.mark.parametrize("tree, target", SMALL_STEPS)
+@pytest.mark.parametrize("tree, target", [
+    pytest.param(*case, marks=shares(case[1])) for case in SMALL_STEPS])
 def test_small_leaves_clip_adds_a_handful_of_kernels_to_adamw(tree, target):
   # The clip's own kernels (the norm's, and a few of scalars: the factor,
   # the state), AdamW's kernels each scaling its leaf.
@@ -636,6 +664,7 @@ def _model_values(seed: int) -> dict:
                                     ).astype(np.float32), model(), is_leaf=dl._is_pair)
 
 
+@shares("h100")
 @pytest.mark.parametrize("name", list(STEPS))
 def test_step_programs_give_the_cpus_numbers(name):
   # The H100's step program of each transform, run here from a fresh state
