@@ -29,10 +29,11 @@ demo: install-demo
 
 # One pytest worker per core (pytest-xdist): the tests mostly compile XLA
 # programs, each on one thread; the deviceless tests of one target share
-# their programs in one worker (--dist loadgroup, tests/test_deviceless.py). The numerics tests, and the distributed ones
-# that reach the norm kernel, run once more through the GPU/TPU kernel, the
-# leaves grouped as on a TPU (OPTAXCLIP_KERNEL=one_pass_tpu: docs/design.md,
-# Platforms; a GPU's groups and the CPU's: tests/test_kernel_thresholds.py).
+# their programs in one worker (--dist loadgroup: tests/test_deviceless.py).
+# The numerics tests, and the distributed ones that reach the norm kernel,
+# run once more through the GPU/TPU kernel, the leaves grouped as on a TPU
+# (OPTAXCLIP_KERNEL=one_pass_tpu: docs/design.md, Platforms; a GPU's groups
+# and the CPU's: tests/test_kernel_thresholds.py).
 test: install-test
 	$(PY) -m ruff check optaxclip tests benchmarks examples docs/scripts
 	$(VENV)/bin/pyright
